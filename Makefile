@@ -1,0 +1,40 @@
+# keras-lms: `make test` and `make demo` set everything up on a fresh machine and are idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.keras-lms-installed
+HVD_STAMP := $(VENV)/.horovod-installed
+
+.PHONY: install test test-fast demo horovod clean-venv
+
+install: $(STAMP) $(HVD_STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Re-run only when the package metadata changes.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e ".[tensorflow-cpu,dev,plot]"
+	touch $@
+
+# Horovod is built from source once per machine (wheel cached under .cache/wheels); see docs/horovod.md.
+$(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
+	bash scripts/install_horovod.sh $(PY)
+	touch $@
+
+horovod: $(HVD_STAMP)
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+# Unit tests only (no model zoo, no multi-process Horovod runs).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow and not horovod" tests
+
+demo: install
+	bash scripts/demo.sh $(PY)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,151 @@
+"""LMSConfig: the validated settings of a wrapped model.
+
+Validation happens here, once, so that every bad value gets one clear message naming the fix instead of
+surfacing later as a cryptic failure inside a traced training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Sequence, Union
+
+LayerSelector = Union[str, type, Callable[[Any], bool]]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value, name: str) -> int:
+    """Turn ``1048576``, ``"1MiB"``, ``"6GiB"`` or ``"500MB"`` into a byte count (int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{name} must be a non-negative integer number of bytes or a size string like '6GiB'; "
+            f"got {value!r} of type {type(value).__name__}."
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes; got {value}. Use 0 to offload every eligible tensor.")
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{name}={value!r} is not a size. Write an integer number of bytes or a number with a unit, "
+            "e.g. '512MiB', '6GiB' or '1.5GB'."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``format_bytes(3 << 20) == '3.0 MiB'``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _non_negative_int(value, name: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a non-negative integer; got {value!r} of type {type(value).__name__}. {hint}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}. {hint}")
+    return value
+
+
+def _selectors(value, name: str):
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    for item in items:
+        if not (isinstance(item, (str, type)) or callable(item)):
+            raise TypeError(
+                f"{name} entries must be layer names (str), layer classes, or a predicate layer -> bool; "
+                f"got {item!r} of type {type(item).__name__}."
+            )
+    return tuple(items)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSConfig:
+    """Settings for :func:`keras_lms.wrap`; every field is validated on construction.
+
+    Attributes:
+        min_bytes: input tensors smaller than this (per step) stay on the device; 0 offloads every
+            eligible tensor. An int or a size string such as ``"1MiB"``.
+        keep_last: the last N layer calls of the forward pass keep their inputs on the device (their
+            backward runs right after the forward, so a round trip would only cost time).
+        include / exclude: layer names, layer classes, or a predicate ``layer -> bool``. A name may also
+            be a nested model's name, meaning all its layers.
+        host_device: where offloaded tensors live; must be a CPU device that exists, e.g. ``"/CPU:0"``.
+        prefetch: start bringing a tensor back N layer calls before the backward pass needs it.
+        device_budget: bytes or a size string; see the planner (``keras_lms.policy``).
+    """
+
+    min_bytes: int = 1 << 20
+    keep_last: int = 1
+    include: Sequence[LayerSelector] | None = None
+    exclude: Sequence[LayerSelector] | None = None
+    host_device: str = "/CPU:0"
+    prefetch: int = 1
+    device_budget: int | None = None
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        set_("min_bytes", parse_bytes(self.min_bytes, "min_bytes"))
+        set_("keep_last", _non_negative_int(self.keep_last, "keep_last", "Use 0 to offload the last layers too."))
+        set_("prefetch", _non_negative_int(self.prefetch, "prefetch", "Use 0 to swap in when the gradient arrives."))
+        set_("include", _selectors(self.include, "include"))
+        set_("exclude", _selectors(self.exclude, "exclude"))
+        if not isinstance(self.host_device, str) or not self.host_device.strip():
+            raise TypeError(f"host_device must be a device string such as '/CPU:0'; got {self.host_device!r}.")
+        if self.device_budget is not None:
+            set_("device_budget", parse_bytes(self.device_budget, "device_budget"))
+            if self.device_budget == 0:
+                raise ValueError("device_budget must be > 0 bytes; use None to disable the planner.")
+
+    def to_dict(self) -> dict:
+        """JSON-friendly form for ``get_config``; predicates cannot be serialised and are refused."""
+        out = dataclasses.asdict(self)
+        for key in ("include", "exclude"):
+            items = out[key]
+            if items is None:
+                continue
+            serial = []
+            for item in items:
+                if isinstance(item, str):
+                    serial.append(item)
+                elif isinstance(item, type):
+                    serial.append({"class_name": item.__name__})
+                else:
+                    raise ValueError(
+                        f"Cannot save a wrapped model whose {key} contains a predicate ({item!r}): use layer names "
+                        "or classes, or save the plain model with keras_lms.unwrap(wrapped).save(...)."
+                    )
+            out[key] = serial
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LMSConfig":
+        data = dict(data)
+        for key in ("include", "exclude"):
+            if data.get(key) is not None:
+                data[key] = tuple(_class_by_name(i["class_name"]) if isinstance(i, dict) else i for i in data[key])
+        return cls(**data)
+
+
+def _class_by_name(name: str) -> type:
+    import keras
+
+    cls = getattr(keras.layers, name, None)
+    if cls is None:
+        cls = keras.saving.get_registered_object(name)
+    if cls is None:
+        raise ValueError(f"Unknown layer class {name!r} in a saved keras-lms include/exclude list.")
+    return cls

@@ -1,0 +1,220 @@
+"""LMSModel: the Keras face of a wrapped model (call, compile, save/load, get_config).
+
+``LMSModel`` owns the original model as ``inner_model`` (weights shared, nothing copied). In training mode
+each forward pass intercepts the inner model's layer calls and offloads their inputs to host memory
+(``keras_lms.offload``); inference (``predict``, ``evaluate``, ``training=False``) calls the inner model
+directly, so it costs nothing.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_lms import _keras_adapter as adapter
+from keras_lms import graph, policy
+from keras_lms.config import LMSConfig
+
+XLA_MESSAGE = (
+    "keras-lms cannot run under XLA: jit_compile=True ignores the explicit host placement that offloading "
+    "relies on, so activations would silently stay on the device. Compile the wrapped model with "
+    "jit_compile=False (jit_compile='auto' is resolved to False for wrapped models)."
+)
+
+
+def _backend():
+    name = keras.backend.backend()
+    if name == "tensorflow":
+        from keras_lms.offload import tensorflow as backend_module
+
+        return backend_module
+    raise NotImplementedError(
+        f"keras-lms supports the TensorFlow backend; KERAS_BACKEND is {name!r}. "
+        "Set KERAS_BACKEND=tensorflow before importing keras."
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_lms")
+class LMSModel(keras.Model):
+    """A keras.Model that trains ``inner_model`` with its large activations kept in host memory.
+
+    Create it with :func:`keras_lms.wrap`. ``compile``/``fit``/``evaluate``/``predict``/``save`` work as
+    for any Keras model. A saved file loads back as an ``LMSModel`` when ``keras_lms`` is imported (the class
+    is registered as ``keras_lms>LMSModel``); ``keras_lms.unwrap(wrapped).save(...)`` saves the plain model.
+    """
+
+    def __init__(self, model: keras.Model, config: LMSConfig | None = None, **kwargs):
+        kwargs.setdefault("name", f"{model.name}_lms")
+        super().__init__(**kwargs)
+        self._offload = _backend()
+        self.inner_model = model
+        self.lms_config = config if config is not None else LMSConfig()
+        self._structure = graph.model_structure(model)
+        policy.check_selector_names(self.lms_config, self._structure.names)
+        self._offload.validate_host_device(self.lms_config.host_device)
+        self._plans = {}
+        self._last_plan = None
+        self._batch_hint = None
+        self.built = True
+
+    # ------------------------------------------------------------------ calling
+    def call(self, inputs, training=None, **kwargs):
+        if not training:
+            return self.inner_model(inputs, training=training, **kwargs)
+        plan = self._plan_for(inputs, kwargs)
+        ctx = self._offload.TFStepContext(self.lms_config, self._structure, plan, eager=_executing_eagerly())
+        with adapter.patched_calls(self._structure.units, ctx.make_wrapper):
+            outputs = self.inner_model(inputs, training=training, **kwargs)
+        self._last_plan = plan
+        return outputs
+
+    def _plan_for(self, inputs, kwargs):
+        key = self._offload.signature_of(inputs, kwargs)
+        plan = self._plans.get(key)
+        if plan is None:
+            batch = _leading_dim(inputs)
+            if batch is not None:
+                self._batch_hint = batch
+            calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
+            plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1)
+            self._plans[key] = plan
+        return plan
+
+    def plan(self, batch_size: int = 1) -> list:
+        """The offload plan for one training step at ``batch_size`` (one PlanEntry per layer call)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
+        specs = self._offload.example_inputs(self.inner_model, batch_size)
+        if specs is None:
+            raise ValueError(
+                f"Cannot plan for model {self.inner_model.name!r}: it does not record its input shape. "
+                "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
+            )
+        calls = self._offload.trace_calls(self.inner_model, self._structure, specs, {})
+        return policy.build_plan(calls, self.lms_config, batch_size=batch_size)
+
+    @property
+    def lms_plan(self) -> list:
+        """One PlanEntry per layer call of the last traced training step.
+
+        Before the first training step it is the plan at batch size 1 (bytes are then per sample).
+        """
+        if self._last_plan is None:
+            self._last_plan = self.plan(batch_size=1)
+        return self._last_plan
+
+    @property
+    def offloaded_bytes_per_step(self) -> int:
+        """Host bytes of the last traced training step (each offloaded tensor counted once)."""
+        return policy.host_bytes_per_step(self._last_plan or [])
+
+    # ---------------------------------------------------------------- compiling
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        if jit_compile is True:
+            raise ValueError(XLA_MESSAGE)
+        if jit_compile not in ("auto", False):
+            raise ValueError(f"jit_compile must be False or 'auto' for a wrapped model; got {jit_compile!r}.")
+        super().compile(*args, jit_compile=False, **kwargs)
+
+    @property
+    def jit_compile(self):
+        return False
+
+    @jit_compile.setter
+    def jit_compile(self, value):
+        if value is True:
+            raise ValueError(XLA_MESSAGE)
+        self._jit_compile = False
+
+    # ------------------------------------------------------------------- saving
+    def get_config(self):
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.inner_model),
+            "lms_config": self.lms_config.to_dict(),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        inner = keras.saving.deserialize_keras_object(config["model"], custom_objects=custom_objects)
+        return cls(inner, LMSConfig.from_dict(config["lms_config"]), name=config.get("name"))
+
+
+def _executing_eagerly() -> bool:
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
+
+
+def _leading_dim(inputs):
+    for leaf in keras.tree.flatten(inputs):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+    return None
+
+
+_WRAP_DEFAULTS = dict(min_bytes=1 << 20, keep_last=1, include=None, exclude=None, host_device="/CPU:0",
+                      prefetch=1, device_budget=None)
+
+
+def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, host_device="/CPU:0", prefetch=1,
+         device_budget=None, config=None) -> LMSModel:
+    """Return an :class:`LMSModel` that trains ``model`` with its large activations offloaded to host memory.
+
+    Args:
+        model: a built ``keras.Model`` (Sequential, Functional, nested or subclassed).
+        min_bytes: input tensors smaller than this (bytes per step, or a size string like ``"1MiB"``) stay on
+            the device; 0 offloads every eligible tensor.
+        keep_last: the last N layer calls keep their inputs on the device (0 = none kept).
+        include / exclude: layer names (or nested model names), layer classes, or a predicate
+            ``layer -> bool``; only included and not excluded layers are offloaded.
+        host_device: the CPU device that holds offloaded tensors.
+        prefetch: swap-in starts N layer calls ahead in the backward pass (0 = when the gradient arrives).
+        device_budget: not implemented yet — the budget planner (choose what to offload so a step fits a
+            device budget) lands with the memory-report work; passing it raises NotImplementedError.
+        config: an :class:`LMSConfig` instead of the keyword arguments above.
+    """
+    if isinstance(model, LMSModel):
+        raise ValueError(
+            f"Model {model.name!r} is already wrapped by keras-lms. Use it as is, or wrap "
+            "keras_lms.unwrap(model) to change the settings."
+        )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"keras_lms.wrap expects a keras.Model; got {type(model).__name__}. "
+            "Put a single layer into a model first, e.g. keras.Sequential([keras.Input(shape), layer])."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its layers have no weights to offload around. Build it first: "
+            "give it an Input (keras.Input(shape=...)), call model.build(input_shape), or call it on one batch."
+        )
+    nested_wrapped = [m.name for m in graph.model_structure(model).models[1:] if isinstance(m, LMSModel)]
+    if nested_wrapped:
+        raise ValueError(
+            f"Model {model.name!r} contains wrapped model(s) {nested_wrapped}. Wrap only the outermost model: "
+            "replace the inner ones by keras_lms.unwrap(inner)."
+        )
+    given = dict(min_bytes=min_bytes, keep_last=keep_last, include=include, exclude=exclude,
+                 host_device=host_device, prefetch=prefetch, device_budget=device_budget)
+    if config is not None:
+        if not isinstance(config, LMSConfig):
+            raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")
+        changed = sorted(k for k, v in given.items() if v != _WRAP_DEFAULTS[k])
+        if changed:
+            raise ValueError(f"Pass either config= or keyword settings, not both (got config and {changed}).")
+    else:
+        config = LMSConfig(**given)
+    if config.device_budget is not None:
+        raise NotImplementedError(
+            "device_budget (the automatic budget planner) is not implemented yet; choose what to offload with "
+            "min_bytes, keep_last, include and exclude for now."
+        )
+    return LMSModel(model, config)
+
+
+def unwrap(wrapped) -> keras.Model:
+    """The original model of a wrapped one (the same object: weights are shared)."""
+    if not isinstance(wrapped, LMSModel):
+        raise TypeError(f"keras_lms.unwrap expects a model returned by keras_lms.wrap; got {type(wrapped).__name__}.")
+    return wrapped.inner_model

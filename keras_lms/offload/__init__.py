@@ -1,0 +1,1 @@
+"""How a tensor goes to host and comes back: one module per Keras back end."""

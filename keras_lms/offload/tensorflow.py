@@ -1,0 +1,397 @@
+"""How a tensor goes to host and comes back on the TensorFlow back end.
+
+For every offloaded layer call ``y = layer(x)`` (see DESIGN.md, "Mechanism"):
+
+1. forward: ``y`` is computed by the layer's original ``call`` under a StatelessScope, inside a
+   ``tf.custom_gradient`` function whose inputs are ``x`` and the layer's trainable values; the new
+   non-trainable values (BatchNorm moving statistics, Dropout seed state) are assigned once, outside;
+2. swap-out: ``tf.identity(x)`` under ``tf.device(host)``, once per tensor per step, shared by all consumers;
+3. backward: the host copy is brought back by a ``tf.identity`` on the compute device that carries a control
+   dependency on a gradient of the backward pass (this call's own gradient, or with ``prefetch=N`` the
+   gradient of the call N calls later), so it cannot run during the forward pass; the layer is recomputed
+   from the swapped-in inputs with the *snapshot* of its non-trainable values, and the VJP is taken under a
+   local tape. TensorFlow prunes recompute ops that no gradient needs.
+4. fused activations: for Dense/Conv-family layers whose activation's derivative is a function of its output
+   (relu, sigmoid, tanh, elu), the gradient of the activation is taken from the layer's *output*, which is
+   the next layer's offloaded input; the layer is then recomputed without its activation, so the forward
+   convolution itself is never recomputed (only its input/filter gradients are computed).
+
+The forward tensors the backward pass reads are then the host copies and small tensors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import keras
+import tensorflow as tf
+
+from keras_lms import _keras_adapter as adapter
+from keras_lms import policy
+
+log = logging.getLogger("keras_lms")
+
+SWAP_OUT_NAME = "lms_swap_out"
+SWAP_IN_NAME = "lms_swap_in"
+GRAD_ARRIVAL_NAME = "lms_grad_arrival"
+
+
+def _output_gradient_fns():
+    """activation function -> f(y, dy) giving d(activation)/d(input) * dy from the activation's output.
+
+    These are the very kernels TensorFlow's own gradients use (they read the op's output), so results are
+    bit-identical to the plain model.
+    """
+    acts = keras.activations
+    return {
+        acts.relu: lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
+        acts.sigmoid: lambda y, dy: tf.raw_ops.SigmoidGrad(y=y, dy=dy),
+        acts.tanh: lambda y, dy: tf.raw_ops.TanhGrad(y=y, dy=dy),
+        acts.elu: lambda y, dy: tf.raw_ops.EluGrad(gradients=dy, outputs=y),
+    }
+
+
+_LINEAR_CORE_LAYERS = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
+    )
+    if hasattr(keras.layers, name)
+)
+_LINEAR_CORE_CALLS = {cls.call for cls in _LINEAR_CORE_LAYERS}
+
+
+def fused_activation_grad(unit):
+    """The output-based activation gradient for ``unit``, or None when the trick does not apply.
+
+    Only for layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a subclass that
+    overrides ``call`` is always fully recomputed.
+    """
+    if not isinstance(unit, _LINEAR_CORE_LAYERS) or type(unit).call not in _LINEAR_CORE_CALLS:
+        return None
+    return _output_gradient_fns().get(getattr(unit, "activation", None))
+
+
+@dataclasses.dataclass
+class _CallRecord:
+    index: int
+    marker: tf.Tensor | None = None
+
+
+def _default_compute_device() -> str:
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else "/CPU:0"
+
+
+def validate_host_device(host_device: str) -> str:
+    """Resolve ``host_device`` to a CPU device that exists, or say which ones do."""
+    try:
+        spec = tf.DeviceSpec.from_string(host_device)
+    except ValueError as err:
+        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.") from err
+    if (spec.device_type or "").upper() != "CPU":
+        raise ValueError(
+            f"host_device={host_device!r} is not a CPU device. keras-lms offloads activations to host memory; "
+            "use '/CPU:0'."
+        )
+    index = spec.device_index or 0
+    cpus = tf.config.list_logical_devices("CPU")
+    if index >= len(cpus):
+        names = ", ".join(d.name for d in cpus)
+        raise ValueError(f"host_device={host_device!r} does not exist on this machine; available: {names}.")
+    return f"/CPU:{index}"
+
+
+class TFStepContext:
+    """State of one forward pass of a wrapped model in training mode.
+
+    Lives as long as the backward pass of that step needs it (the gradient functions close over it).
+    """
+
+    def __init__(self, config, structure, plan, eager: bool):
+        self.config = config
+        self.structure = structure
+        self.plan = plan  # list[PlanEntry] for this input signature
+        self.eager = eager
+        self.host = validate_host_device(config.host_device)
+        self.compute_device = None
+        self.index = 0
+        self.host_copies = {}  # tensor ref -> host tensor
+        self.swap_ins = {}  # host tensor ref -> latest swapped-in device tensor
+        self.records = {}  # call index -> _CallRecord (offloaded calls only)
+        self.mismatch_warned = False
+
+    # ------------------------------------------------------------------ forward
+    def make_wrapper(self, unit, original):
+        def intercepted_call(*args, **kwargs):
+            return self.call(unit, original, args, kwargs)
+
+        return intercepted_call
+
+    def call(self, unit, original, args, kwargs):
+        index = self.index
+        self.index += 1
+        tensors = [leaf for leaf in tf.nest.flatten((args, kwargs)) if isinstance(leaf, tf.Tensor)]
+        decision = self._decision(index, unit, tensors)
+        if not decision.offloaded:
+            return original(*args, **kwargs)
+        return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
+
+    def _decision(self, index, unit, tensors):
+        entry = self.plan[index] if index < len(self.plan) else None
+        if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(tensors):
+            return policy.CallDecision(list(entry.tensor_offloaded), entry.reason)
+        if not self.mismatch_warned:
+            self.mismatch_warned = True
+            log.warning(
+                "keras-lms: layer call %d (%s) differs from the planned forward pass (the model's call order "
+                "depends on its inputs); deciding this step's remaining calls without keep_last.",
+                index, unit.name,
+            )
+        sizes = [policy.tensor_bytes(t.shape, t.dtype) for t in tensors]
+        ranks = [t.shape.rank or 0 for t in tensors]
+        return policy.decide(self.config, unit, self.structure.unit_models.get(id(unit), []), index, None,
+                             sizes, ranks, offloadable_reason(unit))
+
+    def swap_out(self, tensor):
+        if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends
+            with tf.device(self.host):
+                return tf.identity(tensor)
+        key = tensor.ref()
+        host = self.host_copies.get(key)
+        if host is None:
+            with tf.device(self.host):
+                host = tf.identity(tensor, name=SWAP_OUT_NAME)
+            self.host_copies[key] = host
+        return host
+
+    def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
+        template, positions = _template(args, kwargs)
+        n = len(tensors)
+        is_layer = isinstance(unit, keras.layers.Layer)
+        # Read values now: the snapshot must not see this step's state updates (same Dropout masks and
+        # BatchNorm statistics in the recompute).
+        trainable = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.trainable_variables)] if is_layer else []
+        snapshot = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)] if is_layer else []
+        compute_device = next((t.device for t in tensors if t.device), None) or _default_compute_device()
+        hosts = [self.swap_out(t) if off else None for t, off in zip(tensors, decision.offload_tensor)]
+        # Small tensors stay on the device and are read by the backward pass directly.
+        kept = [None if off else t for t, off in zip(tensors, decision.offload_tensor)]
+        masks = [adapter.get_mask(t) for t in tensors]
+        record = _CallRecord(index)
+        self.records[index] = record
+        result = {}
+
+        @tf.custom_gradient
+        def offloaded_forward(*flat):
+            xs, values = list(flat[:n]), list(flat[n:])
+            for x, mask in zip(xs, masks):
+                adapter.set_mask(x, mask)
+            call_args, call_kwargs = _rebuild(template, positions, xs)
+            outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args, call_kwargs)
+            flat_outputs = tf.nest.flatten(outputs)
+            result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs), dtypes=[
+                t.dtype for t in flat_outputs])
+
+            def grad_fn(*upstream):
+                return self._backward(record, unit, original, template, positions, hosts, kept, masks, trainable,
+                                      snapshot, result, upstream, compute_device)
+
+            return flat_outputs + list(losses), grad_fn
+
+        flat_results = offloaded_forward(*tensors, *trainable)
+        n_out = result["n_outputs"]
+        outputs = tf.nest.pack_sequence_as(result["outputs"], list(flat_results[:n_out]))
+        for original_out, new_out in zip(tf.nest.flatten(result["outputs"]), flat_results[:n_out]):
+            adapter.set_mask(new_out, adapter.get_mask(original_out))
+        for loss in flat_results[n_out:]:
+            unit.add_loss(loss)
+        if is_layer:
+            for var, old, new in zip(unit.non_trainable_variables, snapshot, result["new_state"]):
+                if new is not old:
+                    var.assign(new)
+        # The backward closure must not hold forward tensors (in eager mode that would keep them alive).
+        result["outputs"] = result["new_state"] = None
+        result["output_key"] = None if self.eager else flat_results[0].ref()
+        return outputs
+
+    # ----------------------------------------------------------------- backward
+    def _trigger(self, record):
+        """The gradient tensor whose arrival starts this call's swap-in (prefetch calls ahead)."""
+        for j in range(record.index + self.config.prefetch, record.index, -1):
+            other = self.records.get(j)
+            if other is not None and other.marker is not None:
+                return other.marker
+        return record.marker
+
+    def swap_in(self, host, trigger, device, index):
+        if self.eager:
+            with tf.device(device):
+                dev = tf.identity(host)
+        else:
+            with tf.control_dependencies([trigger]), tf.device(device):
+                dev = tf.identity(host, name=f"{SWAP_IN_NAME}_{index}")
+        if not self.eager:
+            self.swap_ins[host.ref()] = dev
+        return dev
+
+    def _backward(self, record, unit, original, template, positions, hosts, kept, masks, trainable, snapshot,
+                  result, upstream, compute_device):
+        upstream = list(upstream)
+        arrived = next((g for g in upstream if g is not None), None)
+        trigger = None
+        if not self.eager and arrived is not None:
+            with tf.device(compute_device):
+                record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
+            trigger = self._trigger(record)
+        xs = []
+        for host, keep, mask in zip(hosts, kept, masks):
+            x = keep if host is None else self.swap_in(host, trigger, compute_device, record.index)
+            adapter.set_mask(x, mask)
+            xs.append(x)
+
+        fused = self._fused_output_gradient(unit, record, result, upstream, trigger, compute_device)
+        if fused is not None:
+            upstream = [fused] + upstream[1:]
+        sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable)
+        call_args, call_kwargs = _rebuild(template, positions, xs)
+        with tf.device(compute_device):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(sources)
+                with _without_activation(unit, enabled=fused is not None):
+                    outputs, _, losses = adapter.run_stateless(unit, original, trainable, snapshot, call_args,
+                                                               call_kwargs)
+            targets = tf.nest.flatten(outputs) + list(losses)
+            pairs = [(t, g) for t, g in zip(targets, upstream) if g is not None]
+            if not pairs:
+                grads = [None] * len(sources)
+            else:
+                grads = tape.gradient([t for t, _ in pairs], sources, output_gradients=[g for _, g in pairs])
+        grads = iter(grads)
+        input_grads = [next(grads) if (x.dtype.is_floating or x.dtype.is_complex) else None for x in xs]
+        return input_grads + list(grads)
+
+    def _fused_output_gradient(self, unit, record, result, upstream, trigger, compute_device):
+        """d(activation) from the layer output's host copy (see module docstring, point 4), or None."""
+        activation_grad = fused_activation_grad(unit)
+        if activation_grad is None or self.eager or result["n_outputs"] != 1 or upstream[0] is None:
+            return None
+        host = self.host_copies.get(result["output_key"])
+        if host is None:  # the output was not offloaded by its consumer: recompute the activation instead
+            return None
+        y = self.swap_ins.get(host.ref())
+        if y is None:
+            y = self.swap_in(host, trigger, compute_device, record.index)
+        with tf.device(compute_device):
+            return activation_grad(y, upstream[0])
+
+
+class _without_activation:
+    """Temporarily replace a layer's activation by ``linear`` while its pre-activation is recomputed."""
+
+    def __init__(self, unit, enabled: bool):
+        self.unit, self.enabled, self.saved = unit, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            self.saved = self.unit.__dict__["activation"]
+            object.__setattr__(self.unit, "activation", keras.activations.linear)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            object.__setattr__(self.unit, "activation", self.saved)
+
+
+def _template(args, kwargs):
+    """(args, kwargs) with every tf.Tensor replaced by None, so closures never hold forward tensors."""
+    leaves = tf.nest.flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor)]
+    blank = [None if isinstance(leaf, tf.Tensor) else leaf for leaf in leaves]
+    return tf.nest.pack_sequence_as((args, kwargs), blank), positions
+
+
+def _rebuild(template, positions, tensors):
+    leaves = tf.nest.flatten(template)
+    for pos, tensor in zip(positions, tensors):
+        leaves[pos] = tensor
+    return tf.nest.pack_sequence_as(template, leaves)
+
+
+def offloadable_reason(unit) -> str | None:
+    """Why the TensorFlow back end cannot offload this unit's calls, or None if it can."""
+    if adapter.is_quantized(unit):
+        return "quantized layers are not intercepted (they run quantized_call)"
+    return None
+
+
+def _spec(value):
+    if isinstance(value, tf.Tensor):
+        return tf.TensorSpec(value.shape, value.dtype)
+    return value
+
+
+def signature_of(inputs, kwargs):
+    """Hashable key of a call's tensor shapes/dtypes: one plan per traced input signature."""
+    leaves = tf.nest.flatten((inputs, kwargs))
+    return tuple(
+        (tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None, leaf.dtype.name)
+        if isinstance(leaf, tf.Tensor) else repr(leaf)
+        for leaf in leaves
+    )
+
+
+def trace_calls(model, structure, inputs, kwargs) -> list:
+    """Trace ``model(inputs, training=True)`` in a throw-away graph and list its unit calls in order.
+
+    Only shapes are recorded; the trace runs nothing and leaves no state behind (losses added during the
+    trace are cleared).
+    """
+    calls = []
+
+    def make_recorder(unit, original):
+        def recording_call(*args, **kw):
+            tensors = [t for t in tf.nest.flatten((args, kw)) if isinstance(t, tf.Tensor)]
+            outputs = original(*args, **kw)
+            outs = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
+            calls.append(policy.RawCall(
+                unit=unit,
+                enclosing=structure.unit_models.get(id(unit), []),
+                shapes=[_shape(t) for t in tensors],
+                dtypes=[t.dtype.name for t in tensors],
+                ranks=[t.shape.rank or 0 for t in tensors],
+                keys=[id(t) for t in tensors],
+                output_shapes=[_shape(t) for t in outs],
+                output_dtypes=[t.dtype.name for t in outs],
+                offloadable=offloadable_reason(unit),
+            ))
+            return outputs
+
+        return recording_call
+
+    specs = tf.nest.map_structure(_spec, (inputs, kwargs))
+
+    def forward(spec_inputs, spec_kwargs):
+        return model(spec_inputs, training=True, **spec_kwargs)
+
+    with adapter.patched_calls(structure.units, make_recorder):
+        tf.function(forward, autograph=False).get_concrete_function(*specs)
+    adapter.clear_losses(model)
+    return calls
+
+
+def _shape(t):
+    return t.shape.as_list() if t.shape.rank is not None else []
+
+
+def example_inputs(model, batch_size: int):
+    """Placeholder specs for a built model's inputs, or None when the model does not say its input shape."""
+    if getattr(model, "inputs", None):
+        return tf.nest.map_structure(lambda kt: tf.TensorSpec([batch_size] + list(kt.shape[1:]), kt.dtype),
+                                     model.input)
+    build = model.get_build_config() if hasattr(model, "get_build_config") else None
+    shape = (build or {}).get("input_shape")
+    if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):
+        return None
+    return tf.TensorSpec([batch_size] + list(shape[1:]), "float32")

@@ -1,0 +1,172 @@
+"""Which tensors go to host: min_bytes, keep_last, include/exclude — and the plan that records why.
+
+The policy is pure Python over shapes and counts, shared by the TensorFlow and torch offload back ends and
+by the static report, so "what is offloaded" is decided in exactly one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from keras_lms.config import LMSConfig, format_bytes
+
+
+@dataclasses.dataclass
+class PlanEntry:
+    """One layer call of the forward pass and what keras-lms does with its inputs.
+
+    Attributes:
+        index: position of the call in the forward pass (0-based).
+        layer: the layer's (or keras.ops node's) name; ``layer_class`` its class name.
+        shapes / dtypes: the call's input tensors (``None`` for a dimension unknown when traced).
+        bytes: total bytes of the call's input tensors per step (unknown dimensions count as ``batch_size``
+            for the first axis and 1 elsewhere).
+        offloaded: whether at least one input goes to host memory between forward and backward.
+        offloaded_bytes: bytes of this call's inputs that live on the host (a tensor shared by several
+            calls is copied once; ``new_host_bytes`` counts it only at its first offloading call).
+        output_shapes / output_bytes: the call's outputs, for the activation report.
+        reason: why, in words.
+    """
+
+    index: int
+    layer: str
+    layer_class: str
+    shapes: list
+    dtypes: list
+    bytes: int
+    offloaded: bool
+    reason: str
+    offloaded_bytes: int = 0
+    new_host_bytes: int = 0
+    output_shapes: list = dataclasses.field(default_factory=list)
+    output_bytes: int = 0
+    tensor_offloaded: list = dataclasses.field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"PlanEntry({self.index}: {self.layer} [{self.layer_class}] {format_bytes(self.bytes)}, {self.reason})"
+
+
+def tensor_bytes(shape: Sequence, dtype, batch_size: int = 1) -> int:
+    """Bytes of a tensor; an unknown leading dimension counts as ``batch_size``, other unknowns as 1."""
+    itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
+    n = 1
+    for axis, dim in enumerate(shape):
+        if dim is None:
+            dim = batch_size if axis == 0 else 1
+        n *= int(dim)
+    return n * itemsize
+
+
+def _numpy_dtype(dtype) -> str:
+    name = getattr(dtype, "name", None) or str(dtype)
+    name = name.replace("torch.", "")
+    return {"bfloat16": "float16", "bool": "bool_", "string": "object"}.get(name, name)
+
+
+def matches(selectors, unit, enclosing_models: Sequence[str]) -> bool:
+    """Whether a unit is selected by names (its own or an enclosing model's), classes or predicates."""
+    for selector in selectors:
+        if isinstance(selector, str):
+            if selector == unit.name or selector in enclosing_models:
+                return True
+        elif isinstance(selector, type):
+            if isinstance(unit, selector):
+                return True
+        elif selector(unit):
+            return True
+    return False
+
+
+def check_selector_names(config: LMSConfig, known_names: set) -> None:
+    """Unknown names in include/exclude are almost always typos; refuse them with the known names."""
+    for key in ("include", "exclude"):
+        selectors = getattr(config, key) or ()
+        unknown = [s for s in selectors if isinstance(s, str) and s not in known_names]
+        if unknown:
+            sample = ", ".join(sorted(known_names)[:25])
+            raise ValueError(
+                f"{key} names unknown layer(s) {unknown}. Use names of the model's layers or nested models "
+                f"(model.summary() lists them); known names include: {sample}"
+                + (" ..." if len(known_names) > 25 else "")
+            )
+
+
+@dataclasses.dataclass
+class CallDecision:
+    offload_tensor: list  # bool per input tensor
+    reason: str
+
+    @property
+    def offloaded(self) -> bool:
+        return any(self.offload_tensor)
+
+
+def decide(config: LMSConfig, unit, enclosing_models, index: int, total: int | None, sizes: list,
+           ranks: list, offloadable: str | None = None) -> CallDecision:
+    """Decide which inputs of call ``index`` (of ``total`` calls per step) go to host, and say why.
+
+    ``sizes`` and ``ranks`` describe the call's input tensors. ``offloadable`` is a reason string when the
+    back end cannot offload this call at all (e.g. a quantized layer).
+    """
+    none = [False] * len(sizes)
+    if offloadable is not None:
+        return CallDecision(none, f"kept: {offloadable}")
+    if config.exclude and matches(config.exclude, unit, enclosing_models):
+        return CallDecision(none, "kept: excluded by exclude=")
+    if config.include and not matches(config.include, unit, enclosing_models):
+        return CallDecision(none, "kept: not selected by include=")
+    if total is not None and config.keep_last and index >= total - config.keep_last:
+        return CallDecision(none, f"kept: among the last {config.keep_last} layer call(s) (keep_last)")
+    eligible = [rank >= 1 and size >= config.min_bytes and size > 0 for size, rank in zip(sizes, ranks)]
+    if not any(eligible):
+        largest = max(sizes) if sizes else 0
+        return CallDecision(none, f"kept: largest input {format_bytes(largest)} < min_bytes {format_bytes(config.min_bytes)}")
+    moved = sum(s for s, e in zip(sizes, eligible) if e)
+    return CallDecision(eligible, f"offloaded: {sum(eligible)} input tensor(s), {format_bytes(moved)}")
+
+
+@dataclasses.dataclass
+class RawCall:
+    """A layer call seen by a planning trace, before any decision."""
+
+    unit: object
+    enclosing: list
+    shapes: list
+    dtypes: list
+    ranks: list
+    keys: list  # identity of each input tensor within the trace (for host-copy de-duplication)
+    output_shapes: list
+    output_dtypes: list
+    offloadable: str | None
+
+
+def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1) -> list:
+    """Decide every call of one forward pass; one PlanEntry per call, in forward order."""
+    entries, copied = [], set()
+    total = len(calls)
+    for index, call in enumerate(calls):
+        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
+        decision = decide(config, call.unit, call.enclosing, index, total, sizes, call.ranks, call.offloadable)
+        offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off)
+        new_bytes = 0
+        for key, size, off in zip(call.keys, sizes, decision.offload_tensor):
+            if off and key not in copied:
+                copied.add(key)
+                new_bytes += size
+        entries.append(PlanEntry(
+            index=index, layer=call.unit.name, layer_class=type(call.unit).__name__,
+            shapes=[tuple(s) for s in call.shapes], dtypes=[str(d) for d in call.dtypes], bytes=sum(sizes),
+            offloaded=decision.offloaded, reason=decision.reason, offloaded_bytes=offloaded_bytes,
+            new_host_bytes=new_bytes, output_shapes=[tuple(s) for s in call.output_shapes],
+            output_bytes=sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)),
+            tensor_offloaded=list(decision.offload_tensor),
+        ))
+    return entries
+
+
+def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
+    """Bytes held in host memory per step (each offloaded tensor once)."""
+    return sum(e.new_host_bytes for e in plan)
