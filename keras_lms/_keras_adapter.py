@@ -55,17 +55,27 @@ def check_keras_version(version: str | None = None) -> None:
         )
 
 
-def run_stateless(layer, call_fn, trainable_values, non_trainable_values, args, kwargs):
+def current_autocast_dtype():
+    """The mixed-precision autocast dtype ``Layer.__call__`` set for the call in progress (None: no cast)."""
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def run_stateless(layer, call_fn, trainable_values, non_trainable_values, args, kwargs, autocast_dtype=None):
     """Run ``call_fn(*args, **kwargs)`` for ``layer`` with its variables mapped to the given values.
 
     Returns ``(outputs, new_non_trainable_values, call_losses)``; nothing is assigned. This is
     ``Layer.stateless_call`` minus weight-regularisation losses, and it takes the unpatched ``call``.
     Operations that are not layers (``keras.ops`` nodes of a functional graph) have no variables.
+    ``autocast_dtype`` re-creates the autocast scope of the original call, so a recompute outside
+    ``Layer.__call__`` casts variables exactly as the forward pass did.
     """
     trainable_vars = list(getattr(layer, "trainable_variables", []))
     non_trainable_vars = list(getattr(layer, "non_trainable_variables", []))
     mapping = list(zip(trainable_vars, trainable_values)) + list(zip(non_trainable_vars, non_trainable_values))
-    with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+    with AutocastScope(autocast_dtype), StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
         outputs = call_fn(*args, **kwargs)
     new_values = [scope.get_current_value(v) for v in non_trainable_vars]
     return outputs, new_values, list(scope.losses)

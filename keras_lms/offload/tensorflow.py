@@ -77,6 +77,7 @@ def fused_activation_grad(unit):
 @dataclasses.dataclass
 class _CallRecord:
     index: int
+    autocast: str | None = None  # the autocast dtype of the forward call, re-entered by the recompute
     marker: tf.Tensor | None = None
 
 
@@ -180,7 +181,8 @@ class TFStepContext:
         # Small tensors stay on the device and are read by the backward pass directly.
         kept = [None if off else t for t, off in zip(tensors, decision.offload_tensor)]
         masks = [adapter.get_mask(t) for t in tensors]
-        record = _CallRecord(index)
+        autocast = adapter.current_autocast_dtype()
+        record = _CallRecord(index, autocast=autocast)
         self.records[index] = record
         result = {}
 
@@ -190,7 +192,8 @@ class TFStepContext:
             for x, mask in zip(xs, masks):
                 adapter.set_mask(x, mask)
             call_args, call_kwargs = _rebuild(template, positions, xs)
-            outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args, call_kwargs)
+            outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args, call_kwargs,
+                                                               autocast)
             flat_outputs = tf.nest.flatten(outputs)
             result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs), dtypes=[
                 t.dtype for t in flat_outputs])
@@ -262,7 +265,7 @@ class TFStepContext:
                 tape.watch(sources)
                 with _without_activation(unit, enabled=fused is not None):
                     outputs, _, losses = adapter.run_stateless(unit, original, trainable, snapshot, call_args,
-                                                               call_kwargs)
+                                                               call_kwargs, record.autocast)
             targets = tf.nest.flatten(outputs) + list(losses)
             pairs = [(t, g) for t, g in zip(targets, upstream) if g is not None]
             if not pairs:
