@@ -115,6 +115,13 @@ class LMSModel(keras.Model):
             raise ValueError(f"jit_compile must be False or 'auto' for a wrapped model; got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
 
+    def compile_from_config(self, config):
+        """Re-compile on load (Keras skips this for models that override ``compile``)."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     @property
     def jit_compile(self):
         return False

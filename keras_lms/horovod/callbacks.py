@@ -130,6 +130,8 @@ def _momentum_buffers(opt):
     the same step (Goyal et al. 2017, sec. 2.1 "momentum correction") and works with compiled steps.
     """
     opt = getattr(opt, "inner_optimizer", opt)
+    if not opt.built:  # fit() builds the optimizer inside the first train step: no momentum to correct yet
+        return []
     if isinstance(opt, keras.optimizers.SGD) and opt.momentum:
         return list(opt.momentums)
     if isinstance(opt, keras.optimizers.RMSprop) and opt.momentum:

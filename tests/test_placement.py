@@ -1,0 +1,98 @@
+"""Where activations live between forward and backward, read from the traced training-step graph."""
+
+import re
+
+import numpy as np
+import pytest
+
+import keras_lms
+from tests import models
+from tests.graph_inspect import ancestors, base_name, trace_step
+
+RNG = np.random.default_rng(0)
+UNET_X = RNG.random((2, 32, 32, 1)).astype("float32")
+
+
+def device_resident_reads(step_graph):
+    return [t for t in step_graph.backward_reads() if not (base_name(t.op).startswith("lms_swap_out")
+                                                            and t.op.device.endswith("CPU:0"))]
+
+
+@pytest.mark.parametrize("build,x", [
+    (models.unet2d, UNET_X),
+    (models.resnet_blocks, RNG.random((2, 16, 16, 3)).astype("float32")),
+    (models.nested, RNG.random((2, 16, 16, 3)).astype("float32")),
+    (models.subclassed, RNG.random((2, 16, 16, 3)).astype("float32")),
+])
+def test_backward_reads_only_host_copies(build, x):
+    model = build()
+    plain = trace_step(model, x)
+    resident = device_resident_reads(plain)
+    # Negative control: the same check on the plain model finds device-resident activations.
+    assert len(resident) >= 3, [t.name for t in resident]
+
+    wrapped = trace_step(keras_lms.wrap(model, min_bytes=0, keep_last=0), x)
+    resident = device_resident_reads(wrapped)
+    if build is models.subclassed:
+        # Only the element-wise keras.ops (x + relu(...)) a subclassed call makes outside any layer remain.
+        assert all(t.op.type in ("Relu", "AddV2") for t in resident), [(t.name, t.op.type) for t in resident]
+    else:
+        assert not resident, [(t.name, t.op.type, t.op.device) for t in resident]
+    resident_names = {t.name for t in resident}
+    host_reads = [t for t in wrapped.backward_reads() if t.name not in resident_names]
+    assert len(host_reads) >= 3 and all(t.op.device.endswith("CPU:0") for t in host_reads)
+
+
+def test_each_tensor_copied_to_host_once():
+    """A U-Net skip tensor feeds a conv/pool and a concatenation: one host copy serves both."""
+    step = trace_step(keras_lms.wrap(models.unet2d(), min_bytes=0, keep_last=0), UNET_X)
+    sources = [op.inputs[0].name for op in step.ops_named("lms_swap_out")]
+    assert sources and len(sources) == len(set(sources))
+    consumers_per_copy = [len(op.outputs[0].consumers()) for op in step.ops_named("lms_swap_out")]
+    assert max(consumers_per_copy) >= 2  # a skip tensor's copy is swapped in for two backward uses
+
+
+def test_min_bytes_and_keep_last_leave_tensors_on_device():
+    model = models.unet2d()
+    x = UNET_X
+    wrapped = keras_lms.wrap(model, min_bytes=16 * 1024, keep_last=3)
+    step = trace_step(wrapped, x)
+    plan = wrapped.lms_plan
+    assert [e.offloaded for e in plan[-3:]] == [False] * 3
+    assert all("keep_last" in e.reason for e in plan[-3:])
+    small = [e for e in plan[:-3] if not e.offloaded]
+    assert small and all("min_bytes" in e.reason for e in small)
+    n_offloaded_tensors = sum(sum(e.tensor_offloaded) for e in plan)
+    assert 0 < len(step.ops_named("lms_swap_out")) <= n_offloaded_tensors
+
+
+def _swap_in_triggers(step):
+    """call index of each swap-in -> call index whose gradient arrival triggers it."""
+    triggers = {}
+    for op in step.ops_named("lms_swap_in"):
+        own = int(re.match(r"lms_swap_in_(\d+)", base_name(op)).group(1))
+        marks = [c for c in op.control_inputs if base_name(c).startswith("lms_grad_arrival")]
+        assert len(marks) == 1, (op.name, [c.name for c in op.control_inputs])
+        triggers.setdefault(own, set()).add(int(re.match(r"lms_grad_arrival_(\d+)", base_name(marks[0])).group(1)))
+    return triggers
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_swap_in_waits_for_backward_and_prefetches(prefetch):
+    model = models.cnn_bn_dropout()
+    x = RNG.random((2, 16, 16, 3)).astype("float32")
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=prefetch)
+    step = trace_step(wrapped, x)
+    backward = {op.name for op in step.backward_ops}
+    swap_ins = step.ops_named("lms_swap_in")
+    assert swap_ins
+    for op in swap_ins:
+        assert op.name in backward
+        # It cannot run before the backward pass: its ancestors include a backward op (the gradient arrival).
+        assert any(name in backward for name in ancestors(op)), op.name
+        assert op.device.endswith("CPU:0")  # compute device on this CPU-only machine
+    triggers = _swap_in_triggers(step)
+    n_calls = len(wrapped.lms_plan)
+    for own, trig in triggers.items():
+        expected = min(own + prefetch, n_calls - 1)
+        assert trig == {expected}, (own, trig, prefetch)
