@@ -17,7 +17,6 @@ loudly when a Keras release changes one of these assumptions.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import keras
 from keras.src.backend.common import global_state  # noqa: F401  (import checked by the adapter test)
@@ -34,7 +33,6 @@ __all__ = [
     "patched_calls",
     "original_call",
     "clear_losses",
-    "call_accepts",
     "is_quantized",
     "functional_operations",
 ]
@@ -138,17 +136,6 @@ def patched_calls(ops, make_wrapper):
 def clear_losses(layer) -> None:
     """Drop losses that ``add_loss`` left on ``layer`` and its sublayers (e.g. from a planning trace)."""
     layer._clear_losses()
-
-
-def call_accepts(layer, name: str) -> bool:
-    """Whether ``layer.call`` takes the argument ``name`` (``training``, ``mask``) or ``**kwargs``."""
-    if name == "training" and hasattr(layer, "_call_has_training_arg"):
-        return bool(layer._call_has_training_arg)
-    try:
-        params = inspect.signature(layer.call).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def is_quantized(layer) -> bool:

@@ -20,7 +20,7 @@ def restore(model, values):
 
 def _loss(outputs, targets):
     flat_o, flat_t = tf.nest.flatten(outputs), tf.nest.flatten(targets)
-    return tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, "float32") - t)) for o, t in zip(flat_o, flat_t)])
+    return tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, t.dtype) - t)) for o, t in zip(flat_o, flat_t)])
 
 
 def train_step(model, x, y, graph=True):
@@ -29,7 +29,7 @@ def train_step(model, x, y, graph=True):
             out = model(x, training=True)
             loss = _loss(out, y)
             if model.losses:
-                loss = loss + tf.add_n([tf.cast(l, "float32") for l in model.losses])
+                loss = loss + tf.add_n([tf.cast(l, loss.dtype) for l in model.losses])
         grads = tape.gradient(loss, model.trainable_variables)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         return loss, grads, tf.nest.flatten(out)
@@ -40,7 +40,8 @@ def train_step(model, x, y, graph=True):
 def targets_for(model, x):
     out = model(x, training=False)
     rng = np.random.default_rng(1)
-    return tf.nest.map_structure(lambda o: rng.random(o.shape).astype("float32"), out)
+    dtype = lambda o: "float64" if o.dtype == tf.float64 else "float32"  # noqa: E731
+    return tf.nest.map_structure(lambda o: tf.constant(rng.random(o.shape).astype(dtype(o))), out)
 
 
 def relative_error(a, b):

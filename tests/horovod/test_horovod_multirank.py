@@ -1,0 +1,314 @@
+"""Multi-process tests of keras_lms.horovod with real Horovod launches (Gloo and MPI controllers).
+
+Each launch runs tests/horovod/_worker.py on 2 ranks (plus one plain single-process run), which executes all
+scenarios in one TensorFlow start-up and writes one JSON file per rank; the tests below assert on those files.
+Per launch: CUDA hidden, one TF/OMP thread per rank, a hard timeout (the process group is killed on expiry).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.horovod
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BIN = Path(sys.executable).parent
+WORKER = HERE / "_worker.py"
+FAULT_WORKER = HERE / "_fault_worker.py"
+LAUNCH_TIMEOUT = 240  # seconds per 2-rank launch; the worker needs ~20 s on 2 cores
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------ environment
+@functools.lru_cache(maxsize=None)
+def horovod_build() -> dict | str:
+    """{'mpi': bool, 'gloo': bool} of the installed Horovod, or a skip reason."""
+    if not (BIN / "horovodrun").exists():
+        return f"Horovod is not installed in {BIN} (run `make install` or `bash scripts/install_horovod.sh {sys.executable}`)"
+    code = "import horovod.tensorflow as h; print(int(h.mpi_built()), int(h.gloo_built()))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=rank_env(),
+                          timeout=120)
+    if proc.returncode != 0:
+        return "horovod.tensorflow is not importable: " + proc.stderr.strip().splitlines()[-1][-300:]
+    mpi, gloo = proc.stdout.split()[-2:]
+    return {"mpi": mpi == "1", "gloo": gloo == "1"}
+
+
+def rank_env() -> dict:
+    env = dict(os.environ)
+    env.update({
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "TF_NUM_INTRAOP_THREADS": "1",
+        "TF_NUM_INTEROP_THREADS": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KERAS_BACKEND": "tensorflow",
+        "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def launcher_command(kind: str, script: Path, outdir: Path) -> list[str]:
+    if kind == "gloo":
+        return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
+                str(outdir)]
+    if kind == "mpi":
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        return [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2", sys.executable, str(script),
+                str(outdir)]
+    if kind == "single":
+        return [sys.executable, str(script), str(outdir)]
+    raise ValueError(kind)
+
+
+def skip_unless_available(kind: str) -> None:
+    build = horovod_build()
+    if isinstance(build, str):
+        pytest.skip(build)
+    if kind == "gloo" and not build["gloo"]:
+        pytest.skip("Horovod built without Gloo")
+    if kind == "mpi":
+        if shutil.which("mpirun") is None:
+            pytest.skip("mpirun not found (apt-get install openmpi-bin libopenmpi-dev, then rerun install_horovod.sh)")
+        if not build["mpi"]:
+            pytest.skip("Horovod built without MPI (rerun scripts/install_horovod.sh after installing OpenMPI)")
+
+
+def launch(kind: str, script: Path, outdir: Path, timeout: float) -> tuple[int | None, str, float]:
+    """Run a launcher in its own process group; on timeout kill the group. Returns (rc or None, output, s)."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(launcher_command(kind, script, outdir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=rank_env(), cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = None
+    return rc, out, time.monotonic() - t0
+
+
+def tail(text: str, n: int = 60) -> str:
+    lines = [ln for ln in text.splitlines() if "I0000" not in ln and "All log messages before" not in ln]
+    return "\n".join(lines[-n:])
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module", params=["gloo", "mpi", "single"])
+def run(request, tmp_path_factory):
+    """Per-rank results of one worker launch (2 ranks under Gloo / MPI, or one plain process)."""
+    kind = request.param
+    skip_unless_available(kind)
+    outdir = tmp_path_factory.mktemp(f"hvd_{kind}")
+    rc, out, secs = launch(kind, WORKER, outdir, LAUNCH_TIMEOUT)
+    assert rc is not None, f"{kind} launch timed out after {LAUNCH_TIMEOUT}s:\n{tail(out)}"
+    assert rc == 0, f"{kind} launch failed with exit code {rc}:\n{tail(out)}"
+    size = 1 if kind == "single" else 2
+    ranks = []
+    for r in range(size):
+        path = outdir / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no results:\n{tail(out)}"
+        ranks.append(json.loads(path.read_text()))
+    return {"kind": kind, "size": size, "ranks": ranks, "seconds": secs, "output": out}
+
+
+def scenario(run, name: str) -> list[dict]:
+    """The scenario's result on every rank; fails with the worker's traceback if it raised."""
+    errors = {r["rank"]: r["errors"][name] for r in run["ranks"] if name in r["errors"]}
+    if errors:
+        pytest.fail(f"scenario {name!r} raised in the worker ({run['kind']}):\n" +
+                    "\n".join(f"rank {k}: {v}" for k, v in errors.items()))
+    return [r[name] for r in run["ranks"]]
+
+
+def need_two_ranks(run):
+    if run["size"] < 2:
+        pytest.skip("needs 2 ranks")
+
+
+def maxdiff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_all_scenarios_ran(run):
+    for r in run["ranks"]:
+        assert r["size"] == run["size"]
+        assert not r["errors"], f"rank {r['rank']} scenario errors: {sorted(r['errors'])}\n" + "\n".join(
+            r["errors"].values())
+
+
+def test_init_info(run):
+    import psutil
+
+    infos = [r["info"] for r in run["ranks"]]
+    assert [i["rank"] for i in infos] == list(range(run["size"]))
+    for i in infos:
+        assert i["size"] == run["size"] and i["local_size"] == run["size"]
+        assert i["gpu"] is None  # CUDA hidden
+        if run["kind"] != "single":
+            assert i["controller"] == run["kind"]
+        expected = int(psutil.virtual_memory().total / 2**20 * 0.8 / run["size"])
+        assert i["env_set"]["TF_GPU_HOST_MEM_LIMIT_IN_MB"] == str(expected)
+        assert i["host_mem_limit_mb"] == expected
+        assert i["cpu_threads"] is None  # TF_NUM_INTRAOP_THREADS is set by the launcher: left alone
+
+
+def test_two_ranks_match_one_rank_with_global_batch(run):
+    res = scenario(run, "equivalence")
+    for r in res:
+        assert maxdiff(r["final"], r["reference"]) < TOL
+        assert r["iterations"] == 3 * 64 // (8 * run["size"])
+
+
+def test_weights_identical_across_ranks_after_every_epoch(run):
+    need_two_ranks(run)
+    res = scenario(run, "equivalence")
+    assert len(res[0]["epoch_digests"]) == 3
+    assert res[0]["epoch_digests"] == res[1]["epoch_digests"]
+
+
+def test_backward_passes_per_step(run):
+    res = scenario(run, "backward_passes")
+    for r in res:
+        assert maxdiff(r["final"], r["reference"]) < TOL
+        assert r["iterations"] == r["expected_iterations"]
+        assert r["n_optimizer_variables"] == 6  # iterations, lr, 4 momentums: accumulators are not tracked
+    assert all(r["final"] == res[0]["final"] for r in res)
+
+
+def test_custom_loops_with_sparse_gradients(run):
+    res = scenario(run, "custom_loop_sparse")
+    for r in res:
+        for label in ("graph_sparse", "graph_dense", "eager_sparse"):
+            assert r[label + "_grad_types"][0] == "IndexedSlices"  # the Embedding gradient really is sparse
+            assert maxdiff(r[label], r["reference"]) < TOL, label
+    for label in ("graph_sparse", "graph_dense", "eager_sparse"):
+        assert all(r[label] == res[0][label] for r in res)
+
+
+def test_fp16_compression_close_to_reference(run):
+    for r in scenario(run, "fp16_compression"):
+        assert maxdiff(r["final"], r["reference"]) < 2e-3
+
+
+def test_metric_average(run):
+    need_two_ranks(run)
+    res = scenario(run, "metric_average")
+    for epoch in range(2):
+        raws = [r["raw"][epoch] for r in res]
+        assert set(raws[0]) == {"loss", "mae", "val_loss", "val_mae"}
+        assert raws[0]["loss"] != pytest.approx(raws[1]["loss"], rel=1e-3)  # ranks really differ
+        for key in raws[0]:
+            mean = sum(x[key] for x in raws) / len(raws)
+            for r in res:
+                assert r["averaged"][epoch][key] == pytest.approx(mean, rel=1e-6), key
+                assert r["history"][key][epoch] == pytest.approx(mean, rel=1e-6), key
+
+
+def test_broadcast_makes_ranks_equal(run):
+    need_two_ranks(run)
+    res = scenario(run, "broadcast")
+    assert res[0]["before"] != res[1]["before"]  # different initialisation
+    assert res[1]["after_broadcast"] == res[0]["root_initial"] == res[0]["after_broadcast"]
+    assert res[0]["final"] == res[1]["final"]
+    # optimizer slots too: rank 1 set 0.002, rank 0 set 0.001 -> 0.001 everywhere
+    for r in res:
+        assert r["momentum_after_broadcast"]
+        assert all(m == pytest.approx(0.001) for m in r["momentum_after_broadcast"])
+
+
+def test_lr_warmup_formula_and_momentum_correction(run):
+    size = run["size"]
+    for r in scenario(run, "warmup"):
+        spe, warmup, initial = r["steps_per_epoch"], 2, 0.2
+        last = None
+        for epoch, batch, lr in r["lr"]:
+            if epoch < warmup:
+                e = epoch + batch / spe + 1 / spe
+                expected = initial / size * (e * (size - 1) / warmup + 1)
+            else:
+                expected = last  # unchanged after warm-up
+            assert lr == pytest.approx(expected, rel=1e-6), (epoch, batch)
+            last = expected
+        assert r["lr"][warmup * spe - 1][2] == pytest.approx(initial)
+        assert r["history_lr"][-1] == pytest.approx(initial)
+        # Momentum correction: buffers are rescaled by lr_new/lr_old before each batch.
+        lrs = [x[2] for x in r["lr"]]
+        for k in range(1, len(lrs)):
+            if r["mom_end"][k - 1] > 0:
+                assert r["mom_begin"][k] / r["mom_end"][k - 1] == pytest.approx(lrs[k] / lrs[k - 1], rel=1e-4)
+
+
+def test_lr_schedule_callback(run):
+    for r in scenario(run, "schedule"):
+        first = {e: lr for e, b, lr in r["lr"] if b == 0}
+        assert first == {0: pytest.approx(0.1), 1: pytest.approx(0.1), 2: pytest.approx(0.05)}
+        # An optimizer with a LearningRateSchedule cannot be driven by the LR callbacks: clear error.
+        assert r["schedule_error"] is not None
+        assert "float learning_rate" in r["schedule_error"] and "ExponentialDecay" in r["schedule_error"]
+
+
+def test_negative_control_plain_optimizer_diverges(run):
+    need_two_ranks(run)
+    res = scenario(run, "negative_control")
+    assert all(a != b for a, b in zip(res[0]["epoch_digests"], res[1]["epoch_digests"]))
+    assert maxdiff(res[0]["final"], res[1]["final"]) > 1e-3
+
+
+def test_lms_wrapped_model_unchanged(run):
+    res = scenario(run, "wrapped")
+    if "skipped" in res[0]:
+        pytest.skip(res[0]["skipped"])
+    plain = scenario(run, "equivalence")
+    for r, p in zip(res, plain):
+        assert r["type"] == "LMSModel"
+        assert r["offloaded_calls"] is None or r["offloaded_calls"] >= 1
+        assert maxdiff(r["final"], r["reference"]) < TOL
+        assert maxdiff(r["final"], p["final"]) < TOL
+    assert all(r["epoch_digests"] == res[0]["epoch_digests"] for r in res)
+
+
+def test_xla_gives_clear_error(run):
+    need_two_ranks(run)
+    for r in scenario(run, "xla_error"):
+        assert r["error"] and "jit_compile=False" in r["error"]
+
+
+def test_saving_and_config(run):
+    r = scenario(run, "saving")[0]
+    assert r["is_sgd"]
+    assert r["config"] == r["inner_config"]
+    assert sorted(r["config"]) == r["plain_sgd_config_keys"]
+    assert r["serialized"]["module"] == "keras.optimizers" and r["serialized"]["class_name"] == "SGD"
+    assert r["plain_loaded"] == ["SGD", False]
+    assert r["rewrapped"] == ["SGD", True]
+    assert r["rewrapped_iterations"] == 7 and r["rewrapped_momentum"] == [0.25]
+    assert r["weights_equal"]
+
+
+@pytest.mark.parametrize("kind", ["gloo", "mpi"])
+def test_failing_rank_ends_job_quickly(kind, tmp_path):
+    skip_unless_available(kind)
+    rc, out, secs = launch(kind, FAULT_WORKER, tmp_path, timeout=90)
+    assert rc is not None, f"job hung: killed after 90 s\n{tail(out)}"
+    assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists(), tail(out)
+    assert not (tmp_path / "finished1").exists()
+    assert rc != 0
+    assert "injected failure on rank 1" in out
+    assert secs < 60, f"took {secs:.1f}s"

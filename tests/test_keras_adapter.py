@@ -1,0 +1,114 @@
+"""Fails loudly when a Keras release changes what keras_lms/_keras_adapter.py relies on."""
+
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from keras_lms import _keras_adapter as adapter
+
+
+def test_installed_keras_is_supported_and_pinned():
+    adapter.check_keras_version()
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pin = re.search(r'"keras(>=[^"]+)"', pyproject).group(1)
+    assert pin == ",".join(adapter.SUPPORTED_KERAS), "pyproject's Keras pin and the adapter disagree"
+    with pytest.raises(ImportError, match="supports Keras"):
+        adapter.check_keras_version("3.16.0")
+    with pytest.raises(ImportError, match="supports Keras"):
+        adapter.check_keras_version("3.14.2")
+
+
+def test_layer_call_is_looked_up_on_the_instance():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    seen = []
+
+    def make(op, original):
+        def wrapper(*args, **kwargs):
+            seen.append(kwargs.get("training", "absent"))
+            return original(*args, **kwargs)
+        return wrapper
+
+    x = np.ones((1, 3), "float32")
+    with adapter.patched_calls([layer], make):
+        layer(x)
+    layer(x)
+    assert len(seen) == 1
+    assert "call" not in layer.__dict__ and "_keras_lms_original_call" not in layer.__dict__
+
+
+def test_training_is_resolved_before_call():
+    layer = keras.layers.Dropout(0.5)
+    seen = []
+
+    def make(op, original):
+        def wrapper(*args, **kwargs):
+            seen.append(kwargs.get("training"))
+            return original(*args, **kwargs)
+        return wrapper
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, layer(inp))
+    with adapter.patched_calls([layer], make):
+        model(np.ones((2, 4), "float32"), training=True)
+    assert seen == [True]
+
+
+def test_run_stateless_collects_call_losses_only_and_assigns_nothing():
+    class AddsLoss(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],), initializer="ones", regularizer=keras.regularizers.L2(1.0))
+            self.count = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x))
+            self.count.assign(self.count + 1)
+            return x * self.w
+
+    layer = AddsLoss()
+    layer.build((None, 3))
+    x = keras.ops.ones((1, 3))
+    out, new_state, losses = adapter.run_stateless(layer, layer.call, [keras.ops.full((3,), 2.0)],
+                                                   [keras.ops.zeros(())], (x,), {})
+    np.testing.assert_allclose(np.asarray(out), 2.0)
+    assert len(losses) == 1 and float(losses[0]) == 3.0  # not the weight regulariser
+    assert float(new_state[0]) == 1.0 and float(layer.count.numpy()) == 0.0
+
+
+def test_autocast_and_loss_helpers_exist():
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        seen = []
+
+        def make(op, original):
+            def wrapper(*args, **kwargs):
+                seen.append(adapter.current_autocast_dtype())
+                return original(*args, **kwargs)
+            return wrapper
+
+        with adapter.patched_calls([layer], make):
+            layer(np.ones((1, 3), "float32"))
+        assert seen == ["float16"]
+        assert adapter.raw_values([layer.kernel])[0].dtype == "float32"
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert adapter.current_autocast_dtype() is None
+    inp = keras.Input((2,))
+    model = keras.Model(inp, keras.ops.exp(keras.layers.Dense(2)(inp)))
+    ops = adapter.functional_operations(model)
+    assert len(ops) == 2 and not any(isinstance(op, keras.layers.InputLayer) for op in ops)
+    adapter.clear_losses(model)
+    assert adapter.functional_operations(keras.Sequential([keras.layers.Dense(1)])) is None
+
+
+def test_quantized_layers_are_detected():
+    layer = keras.layers.Dense(4)
+    layer.build((None, 4))
+    assert not adapter.is_quantized(layer)
+    layer.quantize("int8")
+    assert adapter.is_quantized(layer)
