@@ -63,6 +63,17 @@ _LINEAR_CORE_LAYERS = tuple(
 _LINEAR_CORE_CALLS = {cls.call for cls in _LINEAR_CORE_LAYERS}
 
 
+def pure_activation_grad(unit):
+    """For layers that are only an activation (ReLU(), Activation("relu"|"sigmoid"|"tanh"|"elu")): the
+    output-based gradient, which needs neither the input nor a recompute. None otherwise."""
+    fns = _output_gradient_fns()
+    if type(unit) is keras.layers.Activation:
+        return fns.get(unit.activation)
+    if type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
+        return fns[keras.activations.relu]
+    return None
+
+
 def fused_activation_grad(unit):
     """The output-based activation gradient for ``unit``, or None when the trick does not apply.
 
@@ -249,6 +260,12 @@ class TFStepContext:
             with tf.device(compute_device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
+        pure = pure_activation_grad(unit)
+        if pure is not None and len(hosts) == 1 and upstream[0] is not None:
+            y = self._swapped_in_output(result, record, trigger, compute_device)
+            if y is not None:
+                with tf.device(compute_device):
+                    return [pure(y, upstream[0])]
         xs = []
         for host, keep, mask in zip(hosts, kept, masks):
             x = keep if host is None else self.swap_in(host, trigger, compute_device, record.index)
@@ -279,16 +296,27 @@ class TFStepContext:
     def _fused_output_gradient(self, unit, record, result, upstream, trigger, compute_device):
         """d(activation) from the layer output's host copy (see module docstring, point 4), or None."""
         activation_grad = fused_activation_grad(unit)
-        if activation_grad is None or self.eager or result["n_outputs"] != 1 or upstream[0] is None:
+        if activation_grad is None or upstream[0] is None:
             return None
-        host = self.host_copies.get(result["output_key"])
-        if host is None:  # the output was not offloaded by its consumer: recompute the activation instead
-            return None
-        y = self.swap_ins.get(host.ref())
+        y = self._swapped_in_output(result, record, trigger, compute_device)
         if y is None:
-            y = self.swap_in(host, trigger, compute_device, record.index)
+            return None
         with tf.device(compute_device):
             return activation_grad(y, upstream[0])
+
+    def _swapped_in_output(self, result, record, trigger, compute_device):
+        """The call's (single) output brought back from the host copy its consumer made, or None.
+
+        Reuses the consumer's swap-in when there is one (the consumer's backward ran just before ours).
+        Without a host copy (the consumer kept it on the device, or eager mode) the caller recomputes.
+        """
+        if self.eager or result["n_outputs"] != 1:
+            return None
+        host = self.host_copies.get(result["output_key"])
+        if host is None:
+            return None
+        y = self.swap_ins.get(host.ref())
+        return y if y is not None else self.swap_in(host, trigger, compute_device, record.index)
 
 
 class _without_activation:

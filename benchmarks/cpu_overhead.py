@@ -1,0 +1,110 @@
+"""Wrapped vs plain training-step time on CPU, measured side by side in one run.
+
+    python benchmarks/cpu_overhead.py [--steps 15] [--repeats 3]
+
+Prints the median step time of each and the ratio wrapped/plain for a 2D U-Net (8x256x256x1) and a
+ResNet-style model. Plain and wrapped steps alternate in rounds so machine noise hits both equally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import keras_lms  # noqa: E402
+from examples.unet import build_unet  # noqa: E402
+
+
+def resnetish(size=128, filters=32, blocks=4):
+    inp = keras.Input((size, size, 3))
+    x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(inp)
+    for _ in range(blocks):
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        y = keras.layers.BatchNormalization()(y)
+        y = keras.layers.ReLU()(y)
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+        y = keras.layers.BatchNormalization()(y)
+        x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, keras.layers.Dense(10)(x), name="resnetish")
+
+
+def make_step(model, optimizer, x, y):
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function(jit_compile=False)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def measure(name, model, x, y, steps, repeats, wrap_kwargs):
+    wrapped = keras_lms.wrap(model, **wrap_kwargs)
+    runners = {
+        "plain": make_step(model, keras.optimizers.SGD(1e-3), x, y),
+        "wrapped": make_step(wrapped, keras.optimizers.SGD(1e-3), x, y),
+    }
+    for run in runners.values():  # trace + warm up
+        run(); run()
+    times = {k: [] for k in runners}
+    for _ in range(repeats):
+        for key, run in runners.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                run().numpy()
+                times[key].append(time.perf_counter() - start)
+    plain, lms = statistics.median(times["plain"]), statistics.median(times["wrapped"])
+    offloaded = wrapped.offloaded_bytes_per_step
+    return dict(model=name, batch=f"{tuple(x.shape)}", plain_ms=plain * 1e3, wrapped_ms=lms * 1e3,
+                ratio=lms / plain, offloaded_mib=offloaded / 2**20)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=15, help="steps per round and variant")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test)")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    size = 64 if args.small else 256
+    unet = build_unet((size, size, 1), depth=3, base_filters=16)
+    xu = tf.constant(rng.random((8, size, size, 1), dtype="float32"))
+    yu = tf.constant((rng.random((8, size, size, 1)) > 0.5).astype("float32"))
+    rsize = 32 if args.small else 128
+    res = resnetish(rsize)
+    xr = tf.constant(rng.random((8, rsize, rsize, 3), dtype="float32"))
+    yr = tf.constant(rng.random((8, 10), dtype="float32"))
+    rows = [
+        measure("2D U-Net", unet, xu, yu, args.steps, args.repeats, dict(min_bytes=0)),
+        measure("ResNet-ish", res, xr, yr, args.steps, args.repeats, dict(min_bytes=0)),
+    ]
+    table = Table(title="keras-lms CPU overhead (median step time, wrapped vs plain)")
+    for col in ("model", "batch", "plain ms", "wrapped ms", "ratio", "offloaded MiB/step"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["model"], r["batch"], f"{r['plain_ms']:.1f}", f"{r['wrapped_ms']:.1f}", f"{r['ratio']:.3f}",
+                      f"{r['offloaded_mib']:.1f}")
+    Console().print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
