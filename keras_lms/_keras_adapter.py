@@ -167,3 +167,32 @@ def set_mask(x, mask) -> None:
 
     if mask is not None:
         set_keras_mask(x, mask)
+
+
+@contextlib.contextmanager
+def patched_attribute(obj, name: str, value):
+    """Shadow ``obj.name`` with ``value`` on the instance for the duration of the block."""
+    had_own = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        if had_own:
+            object.__setattr__(obj, name, previous)
+        else:
+            object.__delattr__(obj, name)
+
+
+def batchnorm_moments_hook(layer):
+    """Name of the BatchNormalization method that computes batch statistics, when it can be hooked.
+
+    Keras' BatchNormalization.call gets (mean, variance) from ``self._moments(inputs, mask)``; renorm and
+    synchronized BatchNorm do more than that, so they are not hooked.
+    """
+    import keras
+
+    if (type(layer).call is keras.layers.BatchNormalization.call and not getattr(layer, "renorm", False)
+            and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
+        return "_moments"
+    return None

@@ -21,6 +21,7 @@ The forward tensors the backward pass reads are then the host copies and small t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -90,6 +91,7 @@ class _CallRecord:
     index: int
     autocast: str | None = None  # the autocast dtype of the forward call, re-entered by the recompute
     marker: tf.Tensor | None = None
+    moments: list = dataclasses.field(default_factory=list)  # BatchNorm (mean, variance) per _moments call
 
 
 def _default_compute_device() -> str:
@@ -203,8 +205,9 @@ class TFStepContext:
             for x, mask in zip(xs, masks):
                 adapter.set_mask(x, mask)
             call_args, call_kwargs = _rebuild(template, positions, xs)
-            outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args, call_kwargs,
-                                                               autocast)
+            with _capture_moments(unit, record):
+                outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
+                                                                   call_kwargs, autocast)
             flat_outputs = tf.nest.flatten(outputs)
             result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs), dtypes=[
                 t.dtype for t in flat_outputs])
@@ -280,7 +283,7 @@ class TFStepContext:
         with tf.device(compute_device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(sources)
-                with _without_activation(unit, enabled=fused is not None):
+                with _without_activation(unit, enabled=fused is not None), _reuse_moments(unit, record):
                     outputs, _, losses = adapter.run_stateless(unit, original, trainable, snapshot, call_args,
                                                                call_kwargs, record.autocast)
             targets = tf.nest.flatten(outputs) + list(losses)
@@ -317,6 +320,74 @@ class TFStepContext:
             return None
         y = self.swap_ins.get(host.ref())
         return y if y is not None else self.swap_in(host, trigger, compute_device, record.index)
+
+
+@contextlib.contextmanager
+def _capture_moments(unit, record):
+    """Record the batch statistics a BatchNormalization computes in the forward pass (per-channel, tiny)."""
+    hook = adapter.batchnorm_moments_hook(unit)
+    if hook is None:
+        yield
+        return
+    original = getattr(unit, hook)
+
+    def recording_moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        record.moments.append(None if mask is not None else (mean, variance, unit._reduction_axes))
+        return mean, variance
+
+    with adapter.patched_attribute(unit, hook, recording_moments):
+        yield
+
+
+@contextlib.contextmanager
+def _reuse_moments(unit, record):
+    """In the recompute, hand BatchNormalization its forward statistics instead of recomputing them.
+
+    The gradient stays exact: ``tf.nn.moments`` computes the variance against ``stop_gradient(mean)``, so
+    its gradient needs only the input and the mean's *value*, which the saved mean is. The reductions
+    themselves are not recomputed (their outputs are not needed and TensorFlow prunes them).
+    """
+    hook = adapter.batchnorm_moments_hook(unit)
+    if hook is None or not record.moments or any(m is None for m in record.moments):
+        yield
+        return
+    original = getattr(unit, hook)
+    saved = iter(record.moments)
+
+    def saved_moments(inputs, mask):
+        entry = next(saved, None)
+        if entry is None or mask is not None:
+            return original(inputs, mask)
+        return _moments_with_exact_gradient(inputs, *entry)
+
+    with adapter.patched_attribute(unit, hook, saved_moments):
+        yield
+
+
+def _moments_with_exact_gradient(x, mean, variance, axes):
+    axes = list(axes)
+
+    @tf.custom_gradient
+    def moments(x):
+        def grad(d_mean, d_variance):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(x)
+                # The ops of tf.nn.moments(x, axes), with the saved mean behind its stop_gradient.
+                kept_mean = tf.reduce_mean(x, axes, keepdims=True, name="mean")
+                saved_mean = tf.reshape(mean, kept_mean.shape)
+                kept_var = tf.reduce_mean(tf.math.squared_difference(x, tf.stop_gradient(saved_mean)), axes,
+                                          keepdims=True, name="variance")
+                outs = [tf.squeeze(kept_mean, axes), tf.squeeze(kept_var, axes)]
+            pairs = [(o, g) for o, g in zip(outs, (d_mean, d_variance)) if g is not None]
+            if not pairs:
+                return tf.zeros_like(x)
+            return tape.gradient([o for o, _ in pairs], x, output_gradients=[g for _, g in pairs])
+
+        return [tf.identity(mean), tf.identity(variance)], grad
+
+    mean_out, variance_out = moments(x)
+    return mean_out, variance_out
 
 
 class _without_activation:

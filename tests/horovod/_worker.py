@@ -154,6 +154,31 @@ def backward_passes():
 
 
 @scenario
+def other_optimizers():
+    """Adam, and SGD inside a LossScaleOptimizer, match their single-process references too."""
+    out = {}
+    makers = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "loss_scale_sgd": lambda: keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=2.0 ** 8),
+        "sgd_clipnorm": lambda: keras.optimizers.SGD(LR, momentum=0.9, global_clipnorm=0.5),
+    }
+    for label, make in makers.items():
+        m = dense_model(0)
+        m.compile(lhvd.DistributedOptimizer(make()), "mse")
+        m.fit(shard(X), shard(Y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+        out[label] = {"final": flat(m.get_weights()), "reference": reference_fit(dense_model, X, Y, S * B, opt=make()),
+                      "class": type(m.optimizer).__name__, "distributed": lhvd.is_distributed(m.optimizer)}
+    return out
+
+
+@scenario
+def helpers():
+    return {"rank0_only": lhvd.rank0_only(["ckpt", "csv"]), "fit_verbose": lhvd.fit_verbose(1),
+            "is_root": lhvd.is_root(), "info_rank": lhvd.info().rank,
+            "ranks": [lhvd.size(), lhvd.rank(), lhvd.local_rank(), lhvd.local_size()]}
+
+
+@scenario
 def custom_loop_sparse():
     """Custom loops (tf.function and eager) with Embedding -> IndexedSlices gradients, sparse and dense."""
     import tensorflow as tf
@@ -289,8 +314,16 @@ def wrapped():
           callbacks=[lhvd.BroadcastGlobalVariablesCallback(0), lhvd.MetricAverageCallback(), rec])
     plan = getattr(m, "lms_plan", None)
     n_off = sum(1 for e in plan if getattr(e, "offloaded", False)) if plan is not None else None
+    # Broadcast must reach the weights of a wrapped model: differently seeded ranks become equal.
+    mb = wrap(dense_model(100 + R), min_bytes=0)
+    mb.compile(lhvd.DistributedOptimizer(sgd()), "mse", jit_compile=False)
+    before = digest(mb.get_weights())
+    rec_b = Recorder()
+    mb.fit(shard(X), shard(Y), batch_size=B, epochs=1, shuffle=False, verbose=0,
+           callbacks=[lhvd.BroadcastGlobalVariablesCallback(0), rec_b])
     return {"type": type(m).__name__, "epoch_digests": rec.epoch_digests, "final": flat(m.get_weights()),
-            "reference": reference_fit(dense_model, X, Y, S * B), "offloaded_calls": n_off}
+            "reference": reference_fit(dense_model, X, Y, S * B), "offloaded_calls": n_off,
+            "bcast_before": before, "bcast_after": rec_b.first_batch_digest, "bcast_final": rec_b.epoch_digests[-1]}
 
 
 @scenario

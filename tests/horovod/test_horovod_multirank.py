@@ -192,6 +192,23 @@ def test_backward_passes_per_step(run):
     assert all(r["final"] == res[0]["final"] for r in res)
 
 
+def test_other_optimizers(run):
+    for r in scenario(run, "other_optimizers"):
+        for label, res in r.items():
+            assert res["distributed"], label
+            assert maxdiff(res["final"], res["reference"]) < TOL, label
+        assert r["adam"]["class"] == "Adam" and r["loss_scale_sgd"]["class"] == "LossScaleOptimizer"
+
+
+def test_rank_helpers(run):
+    for r, h in zip(run["ranks"], scenario(run, "helpers")):
+        root = r["rank"] == 0
+        assert h["rank0_only"] == (["ckpt", "csv"] if root else [])
+        assert h["fit_verbose"] == (1 if root else 0)
+        assert h["is_root"] == root and h["info_rank"] == r["rank"]
+        assert h["ranks"] == [run["size"], r["rank"], r["rank"], run["size"]]
+
+
 def test_custom_loops_with_sparse_gradients(run):
     res = scenario(run, "custom_loop_sparse")
     for r in res:
@@ -282,6 +299,10 @@ def test_lms_wrapped_model_unchanged(run):
         assert maxdiff(r["final"], r["reference"]) < TOL
         assert maxdiff(r["final"], p["final"]) < TOL
     assert all(r["epoch_digests"] == res[0]["epoch_digests"] for r in res)
+    if run["size"] == 2:  # broadcast reaches the wrapped model's weights
+        assert res[0]["bcast_before"] != res[1]["bcast_before"]
+        assert res[0]["bcast_after"] == res[1]["bcast_after"] == res[0]["bcast_before"]
+        assert res[0]["bcast_final"] == res[1]["bcast_final"]
 
 
 def test_xla_gives_clear_error(run):
