@@ -22,10 +22,12 @@ APPS = {
 @pytest.fixture
 def float64():
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         yield
     finally:
         keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
 
 
 @pytest.mark.slow
