@@ -88,7 +88,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if not keys:
             return
         local = tf.constant([float(np.asarray(logs[k])) for k in keys], dtype=tf.float64)
-        avg = hvd.allreduce(local, op=hvd.Average, name=f"keras_lms_metric_average_{len(keys)}").numpy()
+        # Fixed name: if ranks ever logged different key sets, Horovod reports a shape mismatch instead of
+        # waiting forever for a differently named tensor.
+        avg = hvd.allreduce(local, op=hvd.Average, name="keras_lms_metric_average").numpy()
         for k, v in zip(keys, avg):
             logs[k] = float(v)
 

@@ -64,14 +64,31 @@ _LINEAR_CORE_LAYERS = tuple(
 _LINEAR_CORE_CALLS = {cls.call for cls in _LINEAR_CORE_LAYERS}
 
 
-def pure_activation_grad(unit):
-    """For layers that are only an activation (ReLU(), Activation("relu"|"sigmoid"|"tanh"|"elu")): the
-    output-based gradient, which needs neither the input nor a recompute. None otherwise."""
+def input_gradient_from_output(unit):
+    """``(needs_input, fn(x, y, dy))`` giving d(unit)/d(input) * dy from the unit's output ``y``, or None.
+
+    For weightless units whose gradient TensorFlow itself computes from the op's output: activation layers
+    (``ReLU()``, ``Activation("relu"|"sigmoid"|"tanh"|"elu")``) need only ``y``; max pooling needs ``x`` and
+    ``y`` (``MaxPoolGrad``). Using the output's host copy (the next layer's input) avoids the recompute.
+    """
     fns = _output_gradient_fns()
+    act = None
     if type(unit) is keras.layers.Activation:
-        return fns.get(unit.activation)
-    if type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
-        return fns[keras.activations.relu]
+        act = fns.get(unit.activation)
+    elif type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
+        act = fns[keras.activations.relu]
+    if act is not None:
+        return False, lambda x, y, dy: act(y, dy)
+    pools = {keras.layers.MaxPooling2D: (2, tf.raw_ops.MaxPoolGrad, "NHWC"),
+             keras.layers.MaxPooling3D: (3, tf.raw_ops.MaxPool3DGrad, "NDHWC")}
+    if type(unit) in pools and unit.data_format == "channels_last":
+        rank, grad_op, fmt = pools[type(unit)]
+        ksize = [1, *unit.pool_size, 1]
+        strides = [1, *(unit.strides or unit.pool_size), 1]
+        padding = unit.padding.upper()
+        if len(unit.pool_size) == rank:
+            return True, lambda x, y, dy: grad_op(orig_input=x, orig_output=y, grad=dy, ksize=ksize,
+                                                  strides=strides, padding=padding, data_format=fmt)
     return None
 
 
@@ -263,12 +280,16 @@ class TFStepContext:
             with tf.device(compute_device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
-        pure = pure_activation_grad(unit)
-        if pure is not None and len(hosts) == 1 and upstream[0] is not None:
+        direct = input_gradient_from_output(unit)
+        if direct is not None and len(hosts) == 1 and not trainable and upstream[0] is not None:
             y = self._swapped_in_output(result, record, trigger, compute_device)
             if y is not None:
+                needs_input, input_grad = direct
+                x = None
+                if needs_input:
+                    x = kept[0] if hosts[0] is None else self.swap_in(hosts[0], trigger, compute_device, record.index)
                 with tf.device(compute_device):
-                    return [pure(y, upstream[0])]
+                    return [input_grad(x, y, upstream[0])]
         xs = []
         for host, keep, mask in zip(hosts, kept, masks):
             x = keep if host is None else self.swap_in(host, trigger, compute_device, record.index)

@@ -1,0 +1,125 @@
+"""MemoryHighWaterMark: memory high-water marks in the normal Keras logs.
+
+Writing into ``logs`` (instead of printing) means the numbers appear in History, the progress bar,
+CSVLogger and TensorBoard with no extra code.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import keras
+
+from keras_lms import memory
+
+KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
+
+
+class MemoryHighWaterMark(keras.callbacks.Callback):
+    """Log ``peak_device_mib``, ``peak_host_rss_mib`` and ``offloaded_mib`` (MiB, floats) per epoch.
+
+    Args:
+        device: the device whose allocator peak is read (default: first GPU, else the CPU allocator).
+        csv_path: also append one row per epoch (or per batch) to this CSV file.
+        per_batch: reset and read the peaks around every training batch and add the keys to batch logs too.
+
+    The device peak is reset at the start of each epoch (or batch) and read at its end. The host peak is the
+    process's RSS high-water mark over the same span (Linux). ``offloaded_mib`` is the host memory the
+    wrapped model's plan moves per step (0 for an unwrapped model). Under Horovod with more than one rank,
+    every rank measures its own device and ``<key>_min`` / ``<key>_max`` over ranks are added.
+    """
+
+    def __init__(self, device: str | None = None, csv_path=None, per_batch: bool = False):
+        super().__init__()
+        if device is not None and not isinstance(device, str):
+            raise TypeError(f"device must be a device string such as 'GPU:0'; got {device!r}.")
+        if not isinstance(per_batch, bool):
+            raise TypeError(f"per_batch must be True or False; got {per_batch!r}.")
+        self.device = device
+        self.csv_path = csv_path
+        self.per_batch = per_batch
+        self._epoch = 0
+        self._epoch_max = {}
+        self._csv_header_written = False
+
+    def _device(self) -> str:
+        if self.device is None:
+            self.device = memory.default_device()
+        return self.device
+
+    def _reset(self):
+        memory.reset_device_peak(self._device())
+        memory.reset_host_peak()
+
+    def _readings(self) -> dict:
+        peak = memory.device_peak_bytes(self._device())
+        offloaded = getattr(self.model, "offloaded_bytes_per_step", 0) or 0
+        values = {
+            "peak_device_mib": float("nan") if peak is None else peak / memory.MIB,
+            "peak_host_rss_mib": memory.host_peak_rss_bytes() / memory.MIB,
+            "offloaded_mib": offloaded / memory.MIB,
+        }
+        values.update(_across_ranks(values))
+        return values
+
+    def _record(self, logs, batch=None, values=None):
+        values = self._readings() if values is None else values
+        if logs is not None:
+            logs.update(values)
+        if self.csv_path is not None:
+            self._write_csv(values, batch)
+        return values
+
+    def _write_csv(self, values, batch):
+        fields = ["epoch", "batch"] + sorted(values)
+        with open(self.csv_path, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=fields)
+            if not self._csv_header_written:
+                writer.writeheader()
+                self._csv_header_written = True
+            writer.writerow({"epoch": self._epoch, "batch": "" if batch is None else batch, **values})
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._epoch_max = {}
+        self._reset()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.per_batch:
+            self._reset()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.per_batch:
+            values = self._record(logs, batch)
+            for key, value in values.items():
+                self._epoch_max[key] = max(value, self._epoch_max.get(key, value))
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Per batch, peaks were reset every batch: the epoch's value is the largest batch value.
+        values = dict(self._epoch_max) if self.per_batch and self._epoch_max else self._readings()
+        if logs is not None:
+            logs.update(values)
+        if self.csv_path is not None and not self.per_batch:
+            self._write_csv(values, None)
+
+
+def _across_ranks(values: dict) -> dict:
+    """min/max of each value over Horovod ranks (collective: every rank's callback calls it)."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None:
+        return {}
+    try:
+        if not hvd.is_initialized() or hvd.size() < 2:
+            return {}
+    except (AttributeError, ValueError):
+        return {}
+    import tensorflow as tf
+
+    local = tf.constant([[values[k] for k in KEYS]], dtype=tf.float64)
+    gathered = hvd.allgather(local, name="keras_lms_memory_high_water_mark").numpy()
+    out = {}
+    for i, key in enumerate(KEYS):
+        out[f"{key}_min"] = float(gathered[:, i].min())
+        out[f"{key}_max"] = float(gathered[:, i].max())
+    return out

@@ -1,0 +1,87 @@
+"""Device and host memory readings per back end.
+
+Device: TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info``; on a CPU-only machine
+the CPU allocator, shared by all logical CPU devices) or ``torch.cuda.max_memory_allocated``.
+Host: the process's resident set size (psutil) and its high-water mark (Linux ``VmHWM``, which
+``/proc/self/clear_refs`` resets, so peaks can be taken per epoch or per batch).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import keras
+import psutil
+
+MIB = float(1 << 20)
+_STATUS = pathlib.Path("/proc/self/status")
+_CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
+
+
+def default_device() -> str:
+    """The device whose memory matters: the first GPU when there is one, else the CPU allocator."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cpu"
+
+
+def reset_device_peak(device: str) -> None:
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.reset_memory_stats(device)
+    elif keras.backend.backend() == "torch" and device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: str) -> int | None:
+    """Peak bytes allocated on ``device`` since the last reset, or None when the back end cannot tell."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        try:
+            return int(tf.config.experimental.get_memory_info(device)["peak"])
+        except (ValueError, RuntimeError):
+            return None
+    if keras.backend.backend() == "torch" and device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def host_rss_bytes() -> int:
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def host_peak_rss_bytes() -> int:
+    """Peak RSS since the last :func:`reset_host_peak` (Linux VmHWM); the current RSS elsewhere."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return host_rss_bytes()
+
+
+def reset_host_peak() -> bool:
+    """Reset the RSS high-water mark to the current RSS (Linux); False where that is not possible."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_available_bytes() -> int:
+    return int(psutil.virtual_memory().available)

@@ -1,0 +1,71 @@
+"""MemoryHighWaterMark writes real memory readings into the normal Keras logs."""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+
+import keras_lms
+from tests import models
+
+RNG = np.random.default_rng(0)
+KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
+
+
+def _fit(model, batch_size=8, epochs=2, callbacks=()):
+    x = RNG.random((16, 32, 32, 1)).astype("float32")
+    model.compile(optimizer="sgd", loss="mse")
+    return model.fit(x, x, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=list(callbacks)).history
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_keys_in_history_and_csvlogger(tmp_path, wrapped):
+    model = models.unet2d()
+    if wrapped:
+        model = keras_lms.wrap(model, min_bytes=0)
+    log_path = tmp_path / "log.csv"
+    history = _fit(model, callbacks=[keras_lms.MemoryHighWaterMark(), keras.callbacks.CSVLogger(str(log_path))])
+    for key in KEYS:
+        assert len(history[key]) == 2 and all(isinstance(v, float) for v in history[key])
+    assert all(v > 0 for v in history["peak_device_mib"])
+    assert all(v > 50 for v in history["peak_host_rss_mib"])  # a TensorFlow process is far above 50 MiB
+    if wrapped:
+        expected = model.offloaded_bytes_per_step / 2**20
+        assert expected > 0 and history["offloaded_mib"] == [pytest.approx(expected)] * 2
+    else:
+        assert history["offloaded_mib"] == [0.0, 0.0]
+    with open(log_path) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 and all(key in rows[0] for key in KEYS)
+
+
+def test_device_peak_grows_with_batch():
+    model = models.unet2d()
+    small = _fit(model, batch_size=2, epochs=1, callbacks=[keras_lms.MemoryHighWaterMark()])
+    large = _fit(model, batch_size=16, epochs=1, callbacks=[keras_lms.MemoryHighWaterMark()])
+    assert large["peak_device_mib"][0] > small["peak_device_mib"][0] * 1.5
+
+
+def test_per_batch_and_csv_path(tmp_path):
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dict(logs))
+
+    path = tmp_path / "mem.csv"
+    history = _fit(keras_lms.wrap(models.unet2d(), min_bytes=0), batch_size=8, epochs=1,
+                   callbacks=[keras_lms.MemoryHighWaterMark(per_batch=True, csv_path=path), Spy()])
+    assert len(seen) == 2 and all(key in logs for logs in seen for key in KEYS)
+    assert history["peak_device_mib"][0] == pytest.approx(max(logs["peak_device_mib"] for logs in seen))
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["batch"] for r in rows] == ["0", "1"]
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="device must be a device string"):
+        keras_lms.MemoryHighWaterMark(device=0)
+    with pytest.raises(TypeError, match="per_batch must be True or False"):
+        keras_lms.MemoryHighWaterMark(per_batch="yes")
