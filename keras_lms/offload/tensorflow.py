@@ -152,6 +152,7 @@ class TFStepContext:
         self.host_copies = {}  # tensor ref -> host tensor
         self.swap_ins = {}  # host tensor ref -> latest swapped-in device tensor
         self.records = {}  # call index -> _CallRecord (offloaded calls only)
+        self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
         self.mismatch_warned = False
 
     # ------------------------------------------------------------------ forward
@@ -167,6 +168,10 @@ class TFStepContext:
         tensors = [leaf for leaf in tf.nest.flatten((args, kwargs)) if isinstance(leaf, tf.Tensor)]
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded:
+            if not self.eager and getattr(unit, "trainable_variables", None):
+                # A kept layer with weights holds its inputs on the device for its weight gradient anyway;
+                # its producer may read them there instead of recomputing (see _swapped_in_output).
+                self.device_held.update(t.ref() for t in tensors)
             return original(*args, **kwargs)
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
@@ -331,14 +336,15 @@ class TFStepContext:
     def _swapped_in_output(self, result, record, trigger, compute_device):
         """The call's (single) output brought back from the host copy its consumer made, or None.
 
-        Reuses the consumer's swap-in when there is one (the consumer's backward ran just before ours).
-        Without a host copy (the consumer kept it on the device, or eager mode) the caller recomputes.
+        Reuses the consumer's swap-in when there is one (the consumer's backward ran just before ours). When
+        a kept layer with weights consumes the output, it is on the device anyway and is read there. Otherwise
+        (eager mode, or a consumer that keeps nothing) the caller recomputes.
         """
         if self.eager or result["n_outputs"] != 1:
             return None
         host = self.host_copies.get(result["output_key"])
         if host is None:
-            return None
+            return result["output_key"].deref() if result["output_key"] in self.device_held else None
         y = self.swap_ins.get(host.ref())
         return y if y is not None else self.swap_in(host, trigger, compute_device, record.index)
 
