@@ -22,6 +22,12 @@ XLA_MESSAGE = (
 
 
 def _backend():
+    """The offload module of the active Keras back end.
+
+    Each provides: ``validate_host_device``, ``StepContext(config, structure, plan, eager)`` with
+    ``make_wrapper(unit, original)``, ``executing_eagerly``, ``signature_of``, ``trace_calls`` and
+    ``example_inputs``.
+    """
     name = keras.backend.backend()
     if name == "tensorflow":
         from keras_lms.offload import tensorflow as backend_module
@@ -61,7 +67,7 @@ class LMSModel(keras.Model):
         if not training:
             return self.inner_model(inputs, training=training, **kwargs)
         plan = self._plan_for(inputs, kwargs)
-        ctx = self._offload.TFStepContext(self.lms_config, self._structure, plan, eager=_executing_eagerly())
+        ctx = self._offload.StepContext(self.lms_config, self._structure, plan, eager=self._offload.executing_eagerly())
         with adapter.patched_calls(self._structure.units, ctx.make_wrapper):
             outputs = self.inner_model(inputs, training=training, **kwargs)
         self._last_plan = plan
@@ -144,12 +150,6 @@ class LMSModel(keras.Model):
     def from_config(cls, config, custom_objects=None):
         inner = keras.saving.deserialize_keras_object(config["model"], custom_objects=custom_objects)
         return cls(inner, LMSConfig.from_dict(config["lms_config"]), name=config.get("name"))
-
-
-def _executing_eagerly() -> bool:
-    import tensorflow as tf
-
-    return tf.executing_eagerly()
 
 
 def _leading_dim(inputs):

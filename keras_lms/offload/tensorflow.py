@@ -111,6 +111,10 @@ class _CallRecord:
     moments: list = dataclasses.field(default_factory=list)  # BatchNorm (mean, variance) per _moments call
 
 
+def executing_eagerly() -> bool:
+    return tf.executing_eagerly()
+
+
 def _default_compute_device() -> str:
     gpus = tf.config.list_logical_devices("GPU")
     return gpus[0].name if gpus else "/CPU:0"
@@ -135,7 +139,7 @@ def validate_host_device(host_device: str) -> str:
     return f"/CPU:{index}"
 
 
-class TFStepContext:
+class StepContext:
     """State of one forward pass of a wrapped model in training mode.
 
     Lives as long as the backward pass of that step needs it (the gradient functions close over it).
