@@ -85,3 +85,39 @@ def reset_host_peak() -> bool:
 
 def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
+
+
+def ranks_on_this_node() -> int:
+    """Processes on this machine that offload into its RAM: Horovod's local size, else 1."""
+    import sys
+
+    hvd = sys.modules.get("horovod.tensorflow")
+    try:
+        if hvd is not None and hvd.is_initialized():
+            return int(hvd.local_size())
+    except (AttributeError, ValueError):
+        pass
+    return 1
+
+
+class HostMemoryError(MemoryError):
+    """The offload plan needs more host RAM than the machine has available."""
+
+
+def check_host_memory(host_bytes_per_step: int, headroom: float = 0.9) -> None:
+    """Refuse a plan whose host bytes (times the ranks on this node) exceed ``headroom`` of available RAM.
+
+    Better one clear message before the first step than the kernel's OOM killer in the middle of an epoch.
+    """
+    from keras_lms.config import format_bytes
+
+    ranks = ranks_on_this_node()
+    needed = host_bytes_per_step * ranks
+    available = host_available_bytes()
+    if needed > headroom * available:
+        raise HostMemoryError(
+            f"keras-lms would hold {format_bytes(needed)} of activations in host memory per step "
+            f"({format_bytes(host_bytes_per_step)} x {ranks} rank(s) on this node), but only "
+            f"{format_bytes(available)} of RAM is available ({headroom:.0%} usable). Reduce the batch size or input "
+            "size, offload less (raise min_bytes, set device_budget), run fewer ranks per node, or add RAM."
+        )

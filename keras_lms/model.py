@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import graph, policy
+from keras_lms import graph, memory, planner, policy
 from keras_lms.config import LMSConfig
 
 XLA_MESSAGE = (
@@ -61,6 +61,8 @@ class LMSModel(keras.Model):
         self._last_plan = None
         self._batch_hint = None
         self.built = True
+        if self.lms_config.device_budget is not None and self._offload.example_inputs(model, 1) is not None:
+            self.plan(batch_size=1)  # a budget that not even one sample fits is refused here, not mid-fit
 
     # ------------------------------------------------------------------ calling
     def call(self, inputs, training=None, **kwargs):
@@ -81,9 +83,15 @@ class LMSModel(keras.Model):
             if batch is not None:
                 self._batch_hint = batch
             calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
-            plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1)
+            plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
+                                     static_bytes=self.static_bytes())
+            memory.check_host_memory(policy.host_bytes_per_step(plan))
             self._plans[key] = plan
         return plan
+
+    def static_bytes(self) -> int:
+        """Device bytes of weights, gradients and optimizer state (the planner's non-activation memory)."""
+        return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
 
     def plan(self, batch_size: int = 1) -> list:
         """The offload plan for one training step at ``batch_size`` (one PlanEntry per layer call)."""
@@ -96,7 +104,7 @@ class LMSModel(keras.Model):
                 "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
             )
         calls = self._offload.trace_calls(self.inner_model, self._structure, specs, {})
-        return policy.build_plan(calls, self.lms_config, batch_size=batch_size)
+        return policy.build_plan(calls, self.lms_config, batch_size=batch_size, static_bytes=self.static_bytes())
 
     @property
     def lms_plan(self) -> list:
@@ -177,8 +185,9 @@ def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, h
             ``layer -> bool``; only included and not excluded layers are offloaded.
         host_device: the CPU device that holds offloaded tensors.
         prefetch: swap-in starts N layer calls ahead in the backward pass (0 = when the gradient arrives).
-        device_budget: not implemented yet — the budget planner (choose what to offload so a step fits a
-            device budget) lands with the memory-report work; passing it raises NotImplementedError.
+        device_budget: bytes or a size string (``"6GiB"``): offload only what the predicted step needs to fit
+            (largest, longest-lived tensors first; nothing when it fits anyway). Raises
+            ``keras_lms.planner.BudgetError`` naming the largest layer when even full offload cannot fit.
         config: an :class:`LMSConfig` instead of the keyword arguments above.
     """
     if isinstance(model, LMSModel):
@@ -212,11 +221,6 @@ def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, h
             raise ValueError(f"Pass either config= or keyword settings, not both (got config and {changed}).")
     else:
         config = LMSConfig(**given)
-    if config.device_budget is not None:
-        raise NotImplementedError(
-            "device_budget (the automatic budget planner) is not implemented yet; choose what to offload with "
-            "min_bytes, keep_last, include and exclude for now."
-        )
     return LMSModel(model, config)
 
 

@@ -141,15 +141,27 @@ class RawCall:
     output_shapes: list
     output_dtypes: list
     offloadable: str | None
+    output_keys: list = dataclasses.field(default_factory=list)  # identity of each output tensor (may be empty)
 
 
-def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1) -> list:
-    """Decide every call of one forward pass; one PlanEntry per call, in forward order."""
-    entries, copied = [], set()
+def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1, static_bytes: int = 0) -> list:
+    """Decide every call of one forward pass; one PlanEntry per call, in forward order.
+
+    With ``config.device_budget`` the budget planner (keras_lms.planner) narrows the offloaded calls to what
+    the predicted step needs; ``static_bytes`` (weights, gradients, optimizer state) is part of that prediction.
+    """
     total = len(calls)
+    decisions = []
     for index, call in enumerate(calls):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
-        decision = decide(config, call.unit, call.enclosing, index, total, sizes, call.ranks, call.offloadable)
+        decisions.append(decide(config, call.unit, call.enclosing, index, total, sizes, call.ranks, call.offloadable))
+    if config.device_budget is not None:
+        from keras_lms import planner
+
+        decisions = planner.fit_budget(calls, decisions, config, batch_size, static_bytes)
+    entries, copied = [], set()
+    for index, (call, decision) in enumerate(zip(calls, decisions)):
+        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off)
         new_bytes = 0
         for key, size, off in zip(call.keys, sizes, decision.offload_tensor):

@@ -54,7 +54,8 @@ def test_model_containing_wrapped_model(model):
     (dict(host_device="/CPU:7"), ValueError, "does not exist.*available"),
     (dict(host_device="/GPU:0"), ValueError, "not a CPU device"),
     (dict(host_device="nonsense:device:x"), ValueError, "host_device"),
-    (dict(device_budget="6GiB"), NotImplementedError, "device_budget.*min_bytes"),
+    (dict(device_budget="1KiB"), keras_lms.planner.BudgetError, "cannot be met.*largest single layer call"),
+    (dict(device_budget=0), ValueError, "device_budget must be > 0"),
     (dict(device_budget=-5), ValueError, "device_budget must be >= 0"),
 ])
 def test_bad_config_values(model, kwargs, exc, pattern):

@@ -498,6 +498,7 @@ def trace_calls(model, structure, inputs, kwargs) -> list:
                 output_shapes=[_shape(t) for t in outs],
                 output_dtypes=[t.dtype.name for t in outs],
                 offloadable=offloadable_reason(unit),
+                output_keys=[id(t) for t in outs],
             ))
             return outputs
 
@@ -528,3 +529,8 @@ def example_inputs(model, batch_size: int):
     if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):
         return None
     return tf.TensorSpec([batch_size] + list(shape[1:]), "float32")
+
+
+def spec_for(shape, dtype):
+    """A placeholder spec for trace_calls from a shape (with batch axis) and dtype."""
+    return tf.TensorSpec(shape, dtype)

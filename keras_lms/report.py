@@ -1,0 +1,187 @@
+"""The static activation report: what a training step keeps on the device, with and without LMS.
+
+``keras_lms.report(model, batch_size)`` traces the model once (no data, no step), applies the same policy
+and budget planner as ``wrap`` and predicts per layer call and in total what lives on the device and what
+moves over the host link. ``keras-lms report`` prints it from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import keras
+
+from keras_lms import planner, policy
+from keras_lms.config import LMSConfig, format_bytes, parse_bytes
+
+
+@dataclasses.dataclass
+class ActivationReport:
+    """Per-call rows and totals (bytes per step, per rank) for one batch size.
+
+    ``totals`` keys: device_activation_bytes_plain, device_activation_bytes_wrapped, host_bytes_per_step,
+    transfer_bytes_per_step, transfer_seconds_per_step (at ``link_gbps``), static_bytes,
+    predicted_peak_bytes_plain, predicted_peak_bytes_wrapped, and device_budget when one is set.
+    """
+
+    model_name: str
+    batch_size: int
+    link_gbps: float
+    rows: list
+    totals: dict
+    plain: planner.StepMemory
+    wrapped: planner.StepMemory
+    device_budget: int | None = None
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps({"model": self.model_name, "batch_size": self.batch_size, "link_gbps": self.link_gbps,
+                           "totals": self.totals, "rows": self.rows,
+                           "timeline_plain": self.plain.timeline, "timeline_wrapped": self.wrapped.timeline},
+                          indent=indent)
+
+    def to_text(self, max_rows: int | None = None) -> str:
+        """A rich table of the layer calls and the totals, as plain text."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"keras-lms activation report: {self.model_name}, batch size {self.batch_size}")
+        for column in ("#", "layer", "class", "output shape", "output", "inputs", "decision"):
+            table.add_column(column, overflow="fold")
+        rows = self.rows if max_rows is None else self.rows[:max_rows]
+        for r in rows:
+            table.add_row(str(r["index"]), r["layer"], r["class"], str(r["output_shape"]),
+                          format_bytes(r["output_bytes"]), format_bytes(r["input_bytes"]), r["reason"])
+        if max_rows is not None and len(self.rows) > max_rows:
+            table.add_row("...", f"{len(self.rows) - max_rows} more calls", "", "", "", "", "")
+        t = self.totals
+        summary = Table(title="per step, per rank", show_header=False)
+        summary.add_column("what")
+        summary.add_column("bytes", justify="right")
+        for label, key in (("activations kept for backward on device, plain", "device_activation_bytes_plain"),
+                           ("activations kept for backward on device, with LMS", "device_activation_bytes_wrapped"),
+                           ("weights + gradients + optimizer state", "static_bytes"),
+                           ("predicted device peak, plain", "predicted_peak_bytes_plain"),
+                           ("predicted device peak, with LMS", "predicted_peak_bytes_wrapped"),
+                           ("host memory needed", "host_bytes_per_step"),
+                           ("moved over the host link", "transfer_bytes_per_step")):
+            summary.add_row(label, format_bytes(t[key]))
+        summary.add_row(f"transfer time at {self.link_gbps:g} GB/s", f"{t['transfer_seconds_per_step'] * 1e3:.1f} ms")
+        if self.device_budget is not None:
+            summary.add_row("device budget", format_bytes(self.device_budget))
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=150, force_terminal=False, color_system=None)
+        console.print(table)
+        console.print(summary)
+        return buffer.getvalue()
+
+    def plot(self, path, title: str | None = None):
+        """PNG: device memory through forward and backward, plain vs with LMS, with the budget line."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        mib = float(1 << 20)
+        n = len(self.plain.timeline) // 2
+        xs = range(len(self.plain.timeline))
+        fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+        ax.plot(xs, [(self.plain.static_bytes + v) / mib for v in self.plain.timeline], label="plain", color="tab:red")
+        ax.plot(xs, [(self.wrapped.static_bytes + v) / mib for v in self.wrapped.timeline], label="with keras-lms",
+                color="tab:blue")
+        ax.axhline(self.plain.static_bytes / mib, color="gray", lw=0.8, ls=":", label="weights+grads+optimizer")
+        if self.device_budget is not None:
+            ax.axhline(self.device_budget / mib, color="black", ls="--", label="device budget")
+        ax.axvline(n - 0.5, color="gray", lw=0.8)
+        ax.text(n * 0.5, ax.get_ylim()[1] * 0.97, "forward", ha="center", va="top")
+        ax.text(n * 1.5, ax.get_ylim()[1] * 0.97, "backward", ha="center", va="top")
+        ax.set_xlabel("layer call (forward, then backward)")
+        ax.set_ylabel("device memory (MiB)")
+        ax.set_title(title or f"{self.model_name}, batch size {self.batch_size}")
+        ax.legend(loc="upper right", bbox_to_anchor=(1.0, 0.9), fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, device_budget=None,
+           link_gbps: float = 16.0, config: LMSConfig | None = None) -> ActivationReport:
+    """Predict a training step's activation memory for ``model_or_wrapped`` at ``batch_size``.
+
+    Args:
+        model_or_wrapped: a built keras.Model or an LMSModel (its settings are used; a plain model is reported
+            with the default settings of ``keras_lms.wrap``, or ``config``).
+        batch_size: samples per step per rank.
+        input_shape / dtype: one sample's shape (without the batch axis) and dtype, for models that do not
+            record their input shape, or to report another input size (e.g. a larger volume).
+        device_budget: report what the budget planner would offload for this budget (bytes or "6GiB").
+        link_gbps: host-link bandwidth for the transfer-time estimate (GB/s).
+    """
+    from keras_lms.model import LMSModel, _backend
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
+    if not isinstance(model_or_wrapped, keras.Model):
+        raise TypeError(f"report expects a keras.Model or a wrapped model; got {type(model_or_wrapped).__name__}.")
+    if isinstance(model_or_wrapped, LMSModel):
+        wrapped = model_or_wrapped
+        config = config or wrapped.lms_config
+        model, structure = wrapped.inner_model, wrapped._structure
+        optimizer = getattr(wrapped, "optimizer", None)
+    else:
+        from keras_lms import graph
+
+        model, structure = model_or_wrapped, graph.model_structure(model_or_wrapped)
+        optimizer = getattr(model, "optimizer", None)
+        config = config or LMSConfig()
+    if device_budget is not None:
+        config = dataclasses.replace(config, device_budget=parse_bytes(device_budget, "device_budget"))
+    if not model.built:
+        raise ValueError(f"Model {model.name!r} is not built; build it or pass input_shape= to report().")
+    backend = _backend()
+    if input_shape is not None:
+        specs = backend.spec_for(tuple([batch_size, *input_shape]), dtype or "float32")
+    else:
+        specs = backend.example_inputs(model, batch_size)
+        if specs is None:
+            raise ValueError(f"Model {model.name!r} does not record its input shape: pass input_shape=(...).")
+    calls = backend.trace_calls(model, structure, specs, {})
+    static = planner.static_bytes(model, optimizer)
+    plan = policy.build_plan(calls, config, batch_size=batch_size, static_bytes=static)
+    offloaded = [list(e.tensor_offloaded) for e in plan]
+    none = [[False] * len(row) for row in offloaded]
+    plain = planner.simulate(calls, none, batch_size, config.prefetch, static)
+    with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static)
+    rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class}, output_shape=list(map(list, e.output_shapes)),
+                 output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,
+                 offloaded_bytes=e.offloaded_bytes, reason=e.reason) for e in plan]
+    saved_plain, saved_wrapped = _saved_bytes(calls, plan, batch_size)
+    host = policy.host_bytes_per_step(plan)
+    transfer = host + sum(e.offloaded_bytes for e in plan)  # out once per tensor, in once per consumer
+    totals = dict(
+        device_activation_bytes_plain=saved_plain,
+        device_activation_bytes_wrapped=saved_wrapped,
+        host_bytes_per_step=host,
+        transfer_bytes_per_step=transfer,
+        transfer_seconds_per_step=transfer / (link_gbps * 1e9),
+        static_bytes=static,
+        predicted_peak_bytes_plain=plain.peak_bytes,
+        predicted_peak_bytes_wrapped=with_lms.peak_bytes,
+    )
+    if config.device_budget is not None:
+        totals["device_budget"] = config.device_budget
+    return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget)
+
+
+def _saved_bytes(calls, plan, batch_size):
+    """Bytes of distinct layer inputs the backward pass reads: all of them plain; the kept ones with LMS."""
+    plain, kept = {}, {}
+    for call, entry in zip(calls, plan):
+        for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entry.tensor_offloaded):
+            size = policy.tensor_bytes(shape, dtype, batch_size)
+            plain[key] = size
+            if not off:
+                kept[key] = size
+    return sum(plain.values()), sum(kept.values())

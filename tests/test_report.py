@@ -1,0 +1,151 @@
+"""Activation report, budget planner, host-memory guard and the keras-lms CLI."""
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from PIL import Image
+
+import keras_lms
+from keras_lms import memory, planner
+from tests import models
+from tests.oracle import assert_matches
+
+
+def dense_chain():
+    inp = keras.Input((8,))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.Dense(16)(inp)), name="dense_chain")
+
+
+def shared_tensor():
+    inp = keras.Input((4, 4, 1))
+    x = keras.layers.Conv2D(2, 1)(inp)
+    a, b = keras.layers.Conv2D(2, 1)(x), keras.layers.Conv2D(2, 1)(x)
+    return keras.Model(inp, keras.layers.Add()([a, b]), name="shared_tensor")
+
+
+def test_totals_match_hand_computation():
+    rep = keras_lms.report(dense_chain(), batch_size=2, config=keras_lms.LMSConfig(min_bytes=0, keep_last=1))
+    # call 0: Dense(16) reads 2x8 float32 = 64 B (offloaded); call 1: Dense(4) reads 2x16 = 128 B (kept).
+    assert [r["input_bytes"] for r in rep.rows] == [64, 128]
+    assert [r["output_bytes"] for r in rep.rows] == [128, 32]
+    assert [r["offloaded"] for r in rep.rows] == [True, False]
+    t = rep.totals
+    assert t["device_activation_bytes_plain"] == 192
+    assert t["device_activation_bytes_wrapped"] == 128
+    assert t["host_bytes_per_step"] == 64
+    assert t["transfer_bytes_per_step"] == 128  # 64 out + 64 back
+    weights = (8 * 16 + 16 + 16 * 4 + 4) * 4
+    assert t["static_bytes"] == weights * 4  # weights + gradients + 2 Adam slots
+    assert t["transfer_seconds_per_step"] == pytest.approx(128 / 16e9)
+
+
+def test_shared_tensor_is_counted_once_on_host_and_twice_on_the_way_back():
+    rep = keras_lms.report(shared_tensor(), batch_size=1, config=keras_lms.LMSConfig(min_bytes=0, keep_last=1))
+    # conv0 reads 16 floats (64 B); its 4x4x2 output (128 B) feeds conv_a and conv_b; Add (kept) reads 2 x 128 B.
+    assert [r["input_bytes"] for r in rep.rows] == [64, 128, 128, 256]
+    t = rep.totals
+    assert t["host_bytes_per_step"] == 64 + 128
+    assert t["transfer_bytes_per_step"] == (64 + 128) + (64 + 128 + 128)
+    assert t["device_activation_bytes_plain"] == 64 + 128 + 256
+    assert t["device_activation_bytes_wrapped"] == 256
+
+
+def test_report_text_json_and_plot(tmp_path):
+    rep = keras_lms.report(models.unet2d(), batch_size=4, device_budget="64MiB")
+    text = rep.to_text()
+    assert "activation report" in text and "predicted device peak" in text and "device budget" in text
+    data = json.loads(rep.to_json())
+    assert data["totals"] == rep.totals and len(data["rows"]) == len(rep.rows)
+    path = rep.plot(tmp_path / "report.png")
+    with Image.open(path) as img:
+        assert img.size == (900, 450)
+
+
+def test_report_of_wrapped_uses_its_settings_and_input_shape_override():
+    from examples.unet import build_unet
+
+    wrapped = keras_lms.wrap(build_unet((None, None, 1), depth=2, base_filters=4), min_bytes=0, keep_last=0)
+    rep = keras_lms.report(wrapped, batch_size=2, input_shape=(32, 32, 1))
+    assert all(r["offloaded"] for r in rep.rows)
+    big = keras_lms.report(wrapped, batch_size=2, input_shape=(64, 64, 1))
+    assert big.totals["host_bytes_per_step"] == pytest.approx(4 * rep.totals["host_bytes_per_step"], rel=0.01)
+
+
+def test_planner_offloads_nothing_when_the_step_fits():
+    wrapped = keras_lms.wrap(models.unet2d(), device_budget="4GiB", min_bytes=0)
+    plan = wrapped.plan(batch_size=2)
+    assert not any(e.offloaded for e in plan)
+    assert all("LMS not needed" in e.reason for e in plan)
+
+
+def test_planner_offloads_largest_longest_lived_first_to_fit():
+    from examples.unet import build_unet
+
+    model = build_unet((64, 64, 64, 1), depth=3, base_filters=8)
+    plain = keras_lms.report(model, batch_size=2, config=keras_lms.LMSConfig(min_bytes=0))
+    full = plain.totals["predicted_peak_bytes_wrapped"]
+    budget = (plain.totals["predicted_peak_bytes_plain"] + full) // 2
+    wrapped = keras_lms.wrap(model, min_bytes=0, device_budget=budget)
+    plan = wrapped.plan(batch_size=2)
+    chosen = [e for e in plan if e.offloaded]
+    assert 0 < len(chosen) < sum(1 for e in plain.rows if e["offloaded"])
+    rep = keras_lms.report(wrapped, batch_size=2)
+    assert rep.totals["predicted_peak_bytes_wrapped"] <= budget
+    # The first offloaded calls are early, large ones (long-lived): the first full-resolution block.
+    assert min(e.index for e in chosen) <= 3
+    assert not plan[-1].offloaded
+
+
+def test_planner_refuses_an_impossible_budget_naming_the_largest_layer():
+    from examples.unet import build_unet
+
+    model = build_unet((64, 64, 64, 1), depth=3, base_filters=8)
+    with pytest.raises(planner.BudgetError, match="largest single layer call is 'up0_concat'|largest single layer"):
+        keras_lms.wrap(model, min_bytes=0, device_budget="40MiB").plan(batch_size=2)
+
+
+def test_wrapped_with_budget_still_matches_plain():
+    model = models.unet2d()
+    x = np.random.default_rng(0).random((4, 32, 32, 1)).astype("float32")
+    rep = keras_lms.report(model, batch_size=4, config=keras_lms.LMSConfig(min_bytes=0))
+    budget = (rep.totals["predicted_peak_bytes_plain"] + rep.totals["predicted_peak_bytes_wrapped"]) // 2
+    wrapped = keras_lms.wrap(model, min_bytes=0, device_budget=budget)
+    assert_matches(model, wrapped, x)
+    assert 0 < sum(e.offloaded for e in wrapped.lms_plan) < len(wrapped.lms_plan)
+
+
+def test_host_memory_guard(monkeypatch):
+    wrapped = keras_lms.wrap(models.unet2d(), min_bytes=0)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)  # pretend 1 MiB of free RAM
+    x = np.zeros((16, 32, 32, 1), "float32")
+    with pytest.raises(memory.HostMemoryError, match="host memory per step.*only 1.0 MiB of RAM is available"):
+        wrapped(x, training=True)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 40)
+    wrapped(x, training=True)
+
+
+def test_cli_report_and_info(tmp_path):
+    path = tmp_path / "m.keras"
+    models.unet2d().save(path)
+    png = tmp_path / "out.png"
+    cmd = [sys.executable, "-m", "keras_lms.cli"]
+    out = subprocess.run(cmd + ["report", str(path), "--batch-size", "4", "--budget", "6GiB", "--plot", str(png)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "predicted device peak" in out.stdout and "LMS not needed" in out.stdout
+    with Image.open(png) as img:
+        assert img.size == (900, 450)
+    js = subprocess.run(cmd + ["report", str(path), "--batch-size", "2", "--json"], capture_output=True, text=True,
+                        timeout=300)
+    assert js.returncode == 0, js.stderr
+    assert json.loads(js.stdout)["batch_size"] == 2
+    info = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300)
+    data = json.loads(info.stdout)
+    assert data["keras"] == keras.__version__ and data["host_ram_total_gib"] > 0
+    bad = subprocess.run(cmd + ["report", str(tmp_path / "missing.keras"), "--batch-size", "1"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "no such model file" in bad.stderr
