@@ -196,3 +196,101 @@ def batchnorm_moments_hook(layer):
             and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
         return "_moments"
     return None
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    """Run ``fn`` on symbolic stand-ins of ``args`` (KerasTensors) with Keras' own shape inference.
+
+    Nothing is computed and no state changes (Keras runs it under a StatelessScope); the torch back end runs
+    ``fn`` on "meta" tensors (falling back to real tensors when an op has no meta kernel).
+    """
+    from keras.src import backend
+
+    return backend.compute_output_spec(fn, *args, **kwargs)
+
+
+def _functional_graphs(models):
+    """The ``Function`` objects (functional graphs) that run the given models' calls."""
+    from keras.src.ops.function import Function
+
+    graphs, seen = [], set()
+    for m in models:
+        for candidate in (m, getattr(m, "_functional", None)):  # Sequential runs through its _functional
+            if isinstance(candidate, Function) and id(candidate) not in seen:
+                seen.add(id(candidate))
+                graphs.append(candidate)
+    return graphs
+
+
+def _releasing_run_through_graph(fn, inputs, operation_fn=lambda op: op, call_fn=None):
+    """``Function._run_through_graph`` (Keras 3.15) that drops each intermediate tensor after its last consumer.
+
+    Keras keeps every intermediate tensor of a functional graph in a local dict until the whole forward pass
+    returns. In graph mode (tf.function) that costs nothing, but in eager back ends (torch) it keeps every
+    activation on the device until the end of the forward pass, defeating offloading.
+    """
+    from keras.src import tree
+
+    inputs = tree.flatten(inputs)
+    tensor_dict = {}
+    for x, y in zip(fn.inputs, inputs):
+        tensor_dict[id(x)] = y
+    nodes_by_depth = fn._nodes_by_depth
+    depth_keys = sorted(nodes_by_depth.keys(), reverse=True)
+    remaining = {}
+    for depth in depth_keys:
+        for node in nodes_by_depth[depth]:
+            if node.operation and not node.is_input:
+                for x in node.input_tensors:
+                    remaining[id(x)] = remaining.get(id(x), 0) + 1
+    output_ids = {id(x) for x in fn.outputs}
+    for depth in depth_keys:
+        for node in nodes_by_depth[depth]:
+            if not node.operation or node.is_input:
+                continue
+            if any(id(x) not in tensor_dict for x in node.input_tensors):
+                continue
+            args, kwargs = node.arguments.fill_in(tensor_dict)
+            if call_fn is not None:
+                outputs = call_fn(operation_fn(node.operation), *args, **kwargs)
+            else:
+                outputs = operation_fn(fn._get_operation_for_node(node))(*args, **kwargs)
+            del args, kwargs
+            for x, y in zip(node.outputs, tree.flatten(outputs)):
+                tensor_dict[id(x)] = y
+            del outputs
+            for x in node.input_tensors:
+                remaining[id(x)] -= 1
+                if remaining[id(x)] == 0 and id(x) not in output_ids:
+                    tensor_dict.pop(id(x), None)
+    output_tensors = []
+    for i, x in enumerate(fn.outputs):
+        if id(x) not in tensor_dict:
+            path = tree.flatten_with_path(fn._outputs_struct)[i][0]
+            path = ".".join(str(p) for p in path)
+            raise ValueError(f"Output with path `{path}` is not connected to `inputs`")
+        output_tensors.append(tensor_dict[id(x)])
+    return tree.pack_sequence_as(fn._outputs_struct, output_tensors)
+
+
+@contextlib.contextmanager
+def releasing_graph_runs(models):
+    """Within the block, functional graphs of ``models`` free intermediate tensors after their last use.
+
+    Shadows ``_run_through_graph`` on each graph instance (see :func:`_releasing_run_through_graph`); the
+    results are identical, only Python references are dropped earlier.
+    """
+    import types
+
+    patched = []
+    try:
+        for graph in _functional_graphs(models):
+            if "_run_through_graph" in graph.__dict__:
+                continue  # already releasing (nested use)
+            object.__setattr__(graph, "_run_through_graph",
+                               types.MethodType(_releasing_run_through_graph, graph))
+            patched.append(graph)
+        yield
+    finally:
+        for graph in reversed(patched):
+            object.__delattr__(graph, "_run_through_graph")

@@ -5,7 +5,10 @@ shows it): a step is 2n positions (n layer calls forward, then their backward in
 the device from its producer's call until its last use: its last forward consumer, or — if a consumer keeps
 it for the backward pass (not offloaded) — that consumer's backward. An offloaded input is brought back for
 its consumer's backward (``prefetch`` calls early). Each backward position also holds the gradients of the
-call's inputs and outputs. Static memory (weights, gradients, optimizer state) is added on top.
+call's inputs and outputs and one input-sized temporary. Structural layers (Add, Concatenate, reshapes) keep
+nothing for their backward; relu-like activation layers keep their output. Static memory (weights,
+gradients, optimizer state) is added on top. ``benchmarks/report_accuracy.py`` compares the prediction with
+measured allocator peaks (docs/benchmarks.md).
 
 Choice: largest and longest-lived tensors first (bytes x distance to their backward use), the last layers
 stay resident (``keep_last``), until the predicted peak fits; nothing is offloaded when the step fits
@@ -21,6 +24,10 @@ from keras_lms.config import format_bytes
 
 log = logging.getLogger("keras_lms")
 
+# The tensor-level model misses allocator rounding and framework temporaries: measured peaks were 9-12% above
+# it (benchmarks/report_accuracy.py). Predictions add this margin so the planner errs on the safe side.
+ACTIVATION_OVERHEAD = 1.15
+
 
 @dataclasses.dataclass
 class StepMemory:
@@ -35,11 +42,42 @@ class StepMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return self.static_bytes + self.activation_peak_bytes
+        """Static bytes plus the activation peak with the allocator margin (ACTIVATION_OVERHEAD)."""
+        return self.static_bytes + int(self.activation_peak_bytes * ACTIVATION_OVERHEAD)
 
 
 class BudgetError(ValueError):
     """The step cannot fit the device budget even with every eligible tensor offloaded."""
+
+
+_NO_INPUT_GRAD_LAYERS = (
+    "Add", "Subtract", "Concatenate", "Average", "Flatten", "Reshape", "Permute", "RepeatVector", "Identity",
+    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
+    "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
+    "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
+)
+_OUTPUT_GRAD_ACTIVATIONS = ("relu", "sigmoid", "tanh", "elu")
+
+
+def backward_reads(unit) -> tuple:
+    """``(reads_inputs, reads_output)`` of the unit's gradient: what its backward pass must keep.
+
+    Structural layers (Add, Concatenate, reshapes, padding, average pooling) need no tensor values for their
+    gradient; relu/sigmoid/tanh/elu activation layers need their output, not their input. Everything else is
+    assumed to need its inputs (the conservative choice).
+    """
+    import keras
+
+    name = type(unit).__name__
+    if name in _NO_INPUT_GRAD_LAYERS and type(unit).__module__.startswith("keras."):
+        return False, False
+    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") in _OUTPUT_GRAD_ACTIVATIONS:
+        return False, True
+    if type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
+        return False, True
+    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") == "linear":
+        return False, False
+    return True, False
 
 
 def _tensors(calls, batch_size):
@@ -68,16 +106,21 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     delta = [0] * (positions + 1)
     for i, call in enumerate(calls):
         backward = positions - 1 - i
+        reads_inputs, reads_output = backward_reads(call.unit)
+        if reads_output and not any(offloaded[i]):  # a plain activation keeps its output for its backward
+            for key in keys_out[i]:
+                info[key][2] = max(info[key][2] or 0, backward)
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             entry = info.setdefault(key, [size, 0, None])  # a model input exists from the start
-            last_use = i if off else backward  # offloaded: freed after its forward use
+            last_use = backward if (reads_inputs and not off) else i  # else freed after its forward use
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
-            if off:  # swapped in for this call's backward, prefetch calls early
+            if off and reads_inputs:  # swapped in for this call's backward, prefetch calls early
                 start = positions - 1 - min(i + prefetch, n - 1)
                 delta[start] += size
                 delta[backward + 1] -= size
-        # gradients of this call's inputs and outputs exist while its backward runs
-        grads = sum(sizes_in[i]) + sum(sizes_out[i])
+        # while its backward runs: the gradients of its outputs and inputs, and one input-sized temporary
+        # (convolution and BatchNorm gradients allocate one)
+        grads = 2 * sum(sizes_in[i]) + sum(sizes_out[i])
         delta[backward] += grads
         delta[backward + 1] -= grads
     for size, start, end in info.values():

@@ -159,13 +159,17 @@ def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1,
         from keras_lms import planner
 
         decisions = planner.fit_budget(calls, decisions, config, batch_size, static_bytes)
+    from keras_lms.planner import backward_reads
+
     entries, copied = [], set()
     for index, (call, decision) in enumerate(zip(calls, decisions)):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
-        offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off)
+        # Host copies that no backward reads are pruned by TensorFlow: count only what is read back.
+        reads = backward_reads(call.unit)[0]
+        offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off) if reads else 0
         new_bytes = 0
         for key, size, off in zip(call.keys, sizes, decision.offload_tensor):
-            if off and key not in copied:
+            if off and reads and key not in copied:
                 copied.add(key)
                 new_bytes += size
         entries.append(PlanEntry(

@@ -87,9 +87,11 @@ class ActivationReport:
         n = len(self.plain.timeline) // 2
         xs = range(len(self.plain.timeline))
         fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
-        ax.plot(xs, [(self.plain.static_bytes + v) / mib for v in self.plain.timeline], label="plain", color="tab:red")
-        ax.plot(xs, [(self.wrapped.static_bytes + v) / mib for v in self.wrapped.timeline], label="with keras-lms",
-                color="tab:blue")
+        k = planner.ACTIVATION_OVERHEAD
+        ax.plot(xs, [(self.plain.static_bytes + v * k) / mib for v in self.plain.timeline], label="plain",
+                color="tab:red")
+        ax.plot(xs, [(self.wrapped.static_bytes + v * k) / mib for v in self.wrapped.timeline],
+                label="with keras-lms", color="tab:blue")
         ax.axhline(self.plain.static_bytes / mib, color="gray", lw=0.8, ls=":", label="weights+grads+optimizer")
         if self.device_budget is not None:
             ax.axhline(self.device_budget / mib, color="black", ls="--", label="device budget")
@@ -176,9 +178,11 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
 
 
 def _saved_bytes(calls, plan, batch_size):
-    """Bytes of distinct layer inputs the backward pass reads: all of them plain; the kept ones with LMS."""
+    """Bytes of distinct layer inputs the backward pass reads: plain, and those still on the device with LMS."""
     plain, kept = {}, {}
     for call, entry in zip(calls, plan):
+        if not planner.backward_reads(call.unit)[0]:
+            continue
         for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entry.tensor_offloaded):
             size = policy.tensor_bytes(shape, dtype, batch_size)
             plain[key] = size
