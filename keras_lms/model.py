@@ -8,6 +8,8 @@ directly, so it costs nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 
 from keras_lms import _keras_adapter as adapter
@@ -33,9 +35,13 @@ def _backend():
         from keras_lms.offload import tensorflow as backend_module
 
         return backend_module
+    if name == "torch":
+        from keras_lms.offload import torch as backend_module
+
+        return backend_module
     raise NotImplementedError(
-        f"keras-lms supports the TensorFlow backend; KERAS_BACKEND is {name!r}. "
-        "Set KERAS_BACKEND=tensorflow before importing keras."
+        f"keras-lms supports the TensorFlow and torch backends; KERAS_BACKEND is {name!r}. "
+        "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch before importing keras."
     )
 
 
@@ -70,7 +76,9 @@ class LMSModel(keras.Model):
             return self.inner_model(inputs, training=training, **kwargs)
         plan = self._plan_for(inputs, kwargs)
         ctx = self._offload.StepContext(self.lms_config, self._structure, plan, eager=self._offload.executing_eagerly())
-        with adapter.patched_calls(self._structure.units, ctx.make_wrapper):
+        # A back end may need a scope around the forward pass (torch: release graph intermediates early).
+        forward_scope = getattr(ctx, "forward_scope", contextlib.nullcontext)
+        with adapter.patched_calls(self._structure.units, ctx.make_wrapper), forward_scope():
             outputs = self.inner_model(inputs, training=training, **kwargs)
         self._last_plan = plan
         return outputs

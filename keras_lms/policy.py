@@ -166,6 +166,9 @@ def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1,
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         # Host copies that no backward reads are pruned by TensorFlow: count only what is read back.
         reads = backward_reads(call.unit)[0]
+        if decision.offloaded and not reads:
+            decision = CallDecision(decision.offload_tensor,
+                                    "offloaded: backward reads no inputs (output host copy or shapes only)")
         offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off) if reads else 0
         new_bytes = 0
         for key, size, off in zip(call.keys, sizes, decision.offload_tensor):
