@@ -23,23 +23,14 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import keras_lms  # noqa: E402
-from benchmarks.cpu_overhead import resnetish  # noqa: E402
+from benchmarks.cpu_overhead import make_step, resnetish  # noqa: E402
 from examples.unet import build_unet  # noqa: E402
 
 
 def measured_peak(model, x, y):
     opt = keras.optimizers.Adam(1e-3)
     opt.build(model.trainable_variables)
-    loss_fn = keras.losses.MeanSquaredError()
-
-    @tf.function(jit_compile=False)
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = make_step(model, opt, x, y)
     step()  # trace and allocate once
     tf.config.experimental.reset_memory_stats("CPU:0")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
