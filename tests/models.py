@@ -140,3 +140,22 @@ def subclassed(size=16):
     model = Subclassed(name="subclassed")
     model.build((None, size, size, 3))
     return model
+
+
+@keras.saving.register_keras_serializable(package="keras_lms_tests")
+class TiedProjection(layers.Layer):
+    """Projects with the transposed kernel of another layer (tied weights: a variable the layer does not own)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "_source", source)  # not tracked: the kernel is not this layer's variable
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self._source.kernel))
+
+
+def tied_weights():
+    inp = keras.Input((6,))
+    encode = layers.Dense(4, use_bias=False, name="encode")
+    hidden = layers.Dense(4, activation="tanh")(encode(inp))
+    return keras.Model(inp, TiedProjection(encode)(hidden), name="tied_weights")

@@ -25,6 +25,7 @@ CASES = {
     "masked_sequence": (models.masked_sequence,
                         lambda: np.concatenate([RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
     "subclassed": (models.subclassed, lambda: images()),
+    "tied_weights": (models.tied_weights, lambda: RNG.random((4, 6)).astype("float32")),
 }
 
 
@@ -40,7 +41,7 @@ def test_wrapped_step_matches_plain(name, settings):
         assert any(e.offloaded for e in wrapped.lms_plan)
 
 
-@pytest.mark.parametrize("name", ["cnn_bn_dropout", "nested", "subclassed"])
+@pytest.mark.parametrize("name", ["cnn_bn_dropout", "nested", "subclassed", "tied_weights"])
 def test_eager_step_matches_plain(name):
     build, data = CASES[name]
     model = build()

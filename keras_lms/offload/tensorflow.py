@@ -151,7 +151,6 @@ class StepContext:
         self.plan = plan  # list[PlanEntry] for this input signature
         self.eager = eager
         self.host = validate_host_device(config.host_device)
-        self.compute_device = None
         self.index = 0
         self.host_copies = {}  # tensor ref -> host tensor
         self.swap_ins = {}  # host tensor ref -> latest swapped-in device tensor
@@ -235,16 +234,27 @@ class StepContext:
                 outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
                                                                    call_kwargs, autocast)
             flat_outputs = tf.nest.flatten(outputs)
-            result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs), dtypes=[
-                t.dtype for t in flat_outputs])
+            result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs))
 
             def grad_fn(*upstream):
                 return self._backward(record, unit, original, template, positions, hosts, kept, masks, trainable,
                                       snapshot, result, upstream, compute_device)
 
-            return flat_outputs + list(losses), grad_fn
+            def grad_fn_with_variables(*upstream, variables=None):
+                # The layer read variables that are not its own (e.g. tied weights): differentiate them too.
+                return self._backward(record, unit, original, template, positions, hosts, kept, masks, trainable,
+                                      snapshot, result, upstream, compute_device, list(variables or []))
 
-        flat_results = offloaded_forward(*tensors, *trainable)
+            return flat_outputs + list(losses), (grad_fn_with_variables if result.get("foreign") else grad_fn)
+
+        try:
+            flat_results = offloaded_forward(*tensors, *trainable)
+        except TypeError as err:
+            if "variables" not in str(err):
+                raise
+            result["foreign"] = True
+            record.moments.clear()
+            flat_results = offloaded_forward(*tensors, *trainable)
         n_out = result["n_outputs"]
         outputs = tf.nest.pack_sequence_as(result["outputs"], list(flat_results[:n_out]))
         for original_out, new_out in zip(tf.nest.flatten(result["outputs"]), flat_results[:n_out]):
@@ -281,7 +291,7 @@ class StepContext:
         return dev
 
     def _backward(self, record, unit, original, template, positions, hosts, kept, masks, trainable, snapshot,
-                  result, upstream, compute_device):
+                  result, upstream, compute_device, foreign_variables=None):
         upstream = list(upstream)
         arrived = next((g for g in upstream if g is not None), None)
         trigger = None
@@ -290,7 +300,8 @@ class StepContext:
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
         direct = input_gradient_from_output(unit)
-        if direct is not None and len(hosts) == 1 and not trainable and upstream[0] is not None:
+        if (direct is not None and foreign_variables is None and len(hosts) == 1 and not trainable
+                and upstream[0] is not None):
             y = self._swapped_in_output(result, record, trigger, compute_device)
             if y is not None:
                 needs_input, input_grad = direct
@@ -308,7 +319,8 @@ class StepContext:
         fused = self._fused_output_gradient(unit, record, result, upstream, trigger, compute_device)
         if fused is not None:
             upstream = [fused] + upstream[1:]
-        sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable)
+        foreign = list(foreign_variables or [])
+        sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable) + foreign
         call_args, call_kwargs = _rebuild(template, positions, xs)
         with tf.device(compute_device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -322,9 +334,13 @@ class StepContext:
                 grads = [None] * len(sources)
             else:
                 grads = tape.gradient([t for t, _ in pairs], sources, output_gradients=[g for _, g in pairs])
-        grads = iter(grads)
+        grads = list(grads)
+        variable_grads = grads[len(grads) - len(foreign):]
+        grads = iter(grads[:len(grads) - len(foreign)])
         input_grads = [next(grads) if (x.dtype.is_floating or x.dtype.is_complex) else None for x in xs]
-        return input_grads + list(grads)
+        if foreign_variables is None:
+            return input_grads + list(grads)
+        return input_grads + list(grads), variable_grads
 
     def _fused_output_gradient(self, unit, record, result, upstream, trigger, compute_device):
         """d(activation) from the layer output's host copy (see module docstring, point 4), or None."""
