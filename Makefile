@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.keras-lms-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install test test-fast demo horovod clean-venv
+.PHONY: install test test-fast test-horovod bench demo horovod clean-venv
 
 install: $(STAMP) $(HVD_STAMP)
 
@@ -32,6 +32,15 @@ test: install
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow and not horovod" tests
+
+test-horovod: install
+	$(PY) -m pytest -q -ra -m horovod tests/horovod
+
+# Side-by-side benchmarks; results are recorded in docs/benchmarks.md and docs/horovod.md.
+bench: install
+	$(PY) benchmarks/cpu_overhead.py
+	$(PY) benchmarks/report_accuracy.py
+	$(PY) benchmarks/horovod_scaling.py
 
 demo: install
 	bash scripts/demo.sh $(PY)
