@@ -15,8 +15,10 @@ $(VENV)/bin/python:
 	$(PIP) install -q --upgrade pip
 
 # Re-run only when the package metadata changes.
+# torch==2.13.0 resolves to the CPU wheel on local disk (never a CUDA build in CI).
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e ".[tensorflow-cpu,dev,plot]"
+	$(PIP) install -q -e ".[tensorflow-cpu,dev,plot,examples]"
+	$(PIP) install -q torch==2.13.0
 	touch $@
 
 # Horovod is built from source once per machine (wheel cached under .cache/wheels); see docs/horovod.md.
@@ -26,8 +28,10 @@ $(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
 
 horovod: $(HVD_STAMP)
 
+# The backend-independent suite runs twice: TensorFlow (with Horovod) and torch.
 test: install
-	$(PY) -m pytest -q -ra tests
+	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
+	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests/torch
 
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)

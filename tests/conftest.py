@@ -5,6 +5,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import pytest  # noqa: E402
 
+# The TensorFlow-backend suite (and the Horovod tests) are not collected in the torch run of `make test`;
+# tests/torch/ holds the torch-backend suite and is ignored unless KERAS_BACKEND=torch (its own conftest).
+if os.environ.get("KERAS_BACKEND") == "torch":
+    collect_ignore_glob = ["test_*.py", "horovod/*"]
+
 
 @pytest.fixture
 def mixed_precision():

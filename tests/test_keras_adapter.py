@@ -112,3 +112,18 @@ def test_quantized_layers_are_detected():
     assert not adapter.is_quantized(layer)
     layer.quantize("int8")
     assert adapter.is_quantized(layer)
+
+
+def test_releasing_graph_runs_gives_identical_results():
+    """The adapter's copy of Functional._run_through_graph (used by the torch back end) matches Keras'."""
+    from tests import models
+
+    model = models.multi_io()
+    rng = np.random.default_rng(0)
+    x = {"image": rng.random((2, 16, 16, 3)).astype("float32"), "meta": rng.random((2, 5)).astype("float32")}
+    expected = model(x, training=False)
+    with adapter.releasing_graph_runs([model]):
+        got = model(x, training=False)
+    for key in expected:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(expected[key]))
+    assert "_run_through_graph" not in model.__dict__

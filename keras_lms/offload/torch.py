@@ -41,6 +41,7 @@ wrapped model's functional graphs release each tensor after its last consumer
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -249,11 +250,21 @@ class _SwapIn:
                 pass
 
 
+# Device bytes that device-to-host copies still being read may hold (at least two tensors' worth, so the copy
+# engine always has the next copy queued).
+MAX_INFLIGHT_BYTES = 256 << 20
+
+
 class Transfer:
     """Moves tensors between one compute device and host memory.
 
     CUDA: pinned pool buffers, one copy stream per device, non-blocking copies, events. CPU: no copy (the
     "host copy" is the tensor itself) unless ``copies`` is True, then synchronous copies into pool buffers.
+
+    Back-pressure: a device tensor being copied to host stays allocated until its copy has run. When the forward
+    pass computes faster than the link copies, those tensors would pile up on the device, so once the bytes of
+    unfinished device-to-host copies exceed ``max(MAX_INFLIGHT_BYTES, 2 x the tensor at hand)`` the host thread
+    waits for the oldest copy (the device keeps computing what is already queued).
     """
 
     def __init__(self, device: torch.device, pool: HostBufferPool | None = None, copies: bool | None = None):
@@ -262,20 +273,37 @@ class Transfer:
         self.copies = self.cuda or (CPU_HOST_COPIES if copies is None else copies)
         self.pool = pool if pool is not None else host_pool()
         self.stream = _copy_stream(self.device) if self.cuda else None
+        self._inflight = collections.deque()  # (event, nbytes) of device-to-host copies, oldest first
+        self._inflight_bytes = 0
+        self._inflight_lock = threading.Lock()
+
+    def _throttle(self, event, nbytes: int) -> None:
+        with self._inflight_lock:
+            self._inflight.append((event, nbytes))
+            self._inflight_bytes += nbytes
+            limit = max(MAX_INFLIGHT_BYTES, 2 * nbytes)
+            while self._inflight and (self._inflight_bytes > limit or self._inflight[0][0].query()):
+                oldest, size = self._inflight.popleft()
+                oldest.synchronize()  # no-op when query() said it is done
+                self._inflight_bytes -= size
 
     def to_host(self, tensor: torch.Tensor) -> _HostCopy:
         nbytes = tensor.numel() * tensor.element_size()
         if not self.copies:
             return _HostCopy(tensor, None, nbytes)
         buffer = self.pool.acquire(tensor.shape, tensor.dtype)
+        source = tensor.detach()  # the copy is not part of the autograd graph
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has run
             with torch.cuda.stream(self.stream):
-                buffer.copy_(tensor, non_blocking=True)
+                buffer.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
             # The caching allocator must not hand the device block to anyone before the copy has read it.
-            tensor.record_stream(self.stream)
+            source.record_stream(self.stream)
+            self._throttle(event, nbytes)
         else:
-            buffer.copy_(tensor)
+            buffer.copy_(source)
         _count(d2h_bytes=nbytes, d2h_copies=1)
         return _HostCopy(buffer, self.pool, nbytes)
 
@@ -406,6 +434,36 @@ def _rebuild(template, positions, tensors):
     return keras.tree.pack_sequence_as(template, leaves)
 
 
+class _RngState:
+    """torch's global RNG states at the forward call, re-used by the recompute (as torch.utils.checkpoint does).
+
+    Keras' torch Dropout without a seed draws its mask from torch's global generator, not from a Keras
+    SeedGenerator variable, so the variable snapshot alone would not reproduce it.
+    """
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self, cpu, cuda):
+        self.cpu, self.cuda = cpu, cuda
+
+    @classmethod
+    def capture(cls, tensors):
+        cuda = {}
+        if torch.cuda.is_available():
+            devices = {t.device.index for t in tensors if t.is_cuda}
+            devices.add(torch.cuda.current_device())
+            cuda = {d: torch.cuda.get_rng_state(d) for d in devices}
+        return cls(torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=sorted(self.cuda), enabled=True):
+            torch.set_rng_state(self.cpu)
+            for device, state in self.cuda.items():
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
 class _OffloadedFunction(torch.autograd.Function):
     """One offloaded layer call; the non-tensor first argument carries everything (a :class:`_CallRecord`)."""
 
@@ -434,7 +492,6 @@ class _CallRecord:
         self.template = template
         self.positions = positions
         self.n_inputs = len(tensors)
-        self.input_dtypes = [t.dtype for t in tensors]
         self.trainable = trainable
         self.snapshot = snapshot
         self.masks = masks
@@ -448,6 +505,7 @@ class _CallRecord:
         self.finished = False
         self.forward_result = None
         self.transfer = None  # the Transfer of the call's device
+        self.rng = None  # torch's global RNG states before the forward call (unseeded Dropout draws from them)
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, flat):
@@ -516,7 +574,7 @@ class _CallRecord:
         xs = []
         for host, kept in zip(self.hosts, self.kept):
             xs.append(kept if host is None else self.swaps[id(host)].get())
-        with torch.enable_grad():
+        with torch.enable_grad(), self.rng.restored():
             xs = [x.detach().requires_grad_(True) if _is_float(x) else x.detach() for x in xs]
             params = [p.detach().requires_grad_(True) for p in self.trainable]
             for x, mask in zip(xs, self.masks):
@@ -631,8 +689,9 @@ class StepContext:
         act_grad = output_gradient(unit) if len(tensors) == 1 and not trainable else None
         record = _CallRecord(self, index, unit, original, template, positions, tensors, trainable, snapshot, masks,
                              adapter.current_autocast_dtype(), output_grad=act_grad)
-        record.transfer = self.transfer(tensors[0].device)
+        record.transfer = self.transfer(next((t.device for t in tensors if t.is_cuda), tensors[0].device))
         if act_grad is None:
+            record.rng = _RngState.capture(tensors)
             for j, (t, off) in enumerate(zip(tensors, decision.offload_tensor)):
                 if off:
                     host = self.swap_out(t)

@@ -1,0 +1,36 @@
+"""benchmarks/gpu_bench.py --smoke: the GPU benchmark's code path on CPU (tiny sizes, simulated memory limits)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_gpu_bench_smoke(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--out", str(out),
+           "--max-edge", "32", "--simulate-oom-mvoxels", "0.003,0.02"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert set(data) >= {"meta", "bandwidth", "max_edge", "timing", "errors"}
+    assert data["meta"]["complete"] is True and data["meta"]["backend"] == "torch"
+    assert data["errors"] == []
+    assert data["bandwidth"]["skipped"] == "no CUDA device"
+    edges = data["max_edge"]
+    # simulated limits: plain fits 12^3 (< 3000 voxels), wrapped fits 24^3 (< 20000 voxels); edges step by 4
+    assert edges["plain"]["edge"] == 12 and edges["plain"]["first_failure"] == 16
+    assert edges["lms"]["edge"] == 24 and edges["lms"]["first_failure"] == 28
+    assert edges["voxel_ratio"] == (24 / 12) ** 3
+    assert any(not t["ok"] and t["error"] == "device OOM" for t in edges["plain"]["trials"])
+    assert [t["edge"] for t in data["timing"]] == [8, 12]
+    for t in data["timing"]:
+        assert {"plain_ms", "lms_ms", "plain_peak_gib", "lms_peak_gib", "offloaded_gib", "d2h_gib", "h2d_gib",
+                "lower_bound_ms", "ratio_to_lower_bound", "ratio_to_plain"} <= set(t)
+        assert t["plain_ms"] > 0 and t["lms_ms"] > 0 and t["offloaded_gib"] > 0 and t["d2h_gib"] > 0
+    md = (out / "results.md").read_text()
+    assert "Voxel ratio wrapped / plain" in md and "| 12 |" in md
