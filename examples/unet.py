@@ -7,13 +7,14 @@ from keras import layers
 
 
 def build_unet(input_shape, classes: int = 1, depth: int = 3, base_filters: int = 16, batch_norm: bool = True,
-               dropout: float = 0.1, name: str | None = None) -> keras.Model:
+               dropout: float = 0.1, name: str | None = None, bn_momentum: float = 0.99) -> keras.Model:
     """A U-Net with ``depth`` down/up levels for 2D (H, W, C) or 3D (D, H, W, C) inputs.
 
     Each level: two 3x3(x3) convolutions with ReLU (BatchNorm after the first when ``batch_norm``); the
     bottleneck has Dropout; the decoder uses transposed convolutions and Concatenate skips. The output is a
     sigmoid (``classes == 1``) or softmax map with the input's spatial size, which must be divisible by
-    ``2**depth``.
+    ``2**depth``. ``bn_momentum`` is the BatchNormalization momentum of the moving statistics (Keras' default
+    0.99; lower values make validation follow the weights faster in short runs).
     """
     ndim = len(input_shape) - 1
     if ndim not in (2, 3):
@@ -27,7 +28,7 @@ def build_unet(input_shape, classes: int = 1, depth: int = 3, base_filters: int 
     def block(x, filters, prefix):
         x = conv(filters, 3, padding="same", activation=None if batch_norm else "relu", name=f"{prefix}_conv1")(x)
         if batch_norm:
-            x = layers.BatchNormalization(name=f"{prefix}_bn")(x)
+            x = layers.BatchNormalization(momentum=bn_momentum, name=f"{prefix}_bn")(x)
             x = layers.ReLU(name=f"{prefix}_relu")(x)
         return conv(filters, 3, padding="same", activation="relu", name=f"{prefix}_conv2")(x)
 

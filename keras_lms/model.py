@@ -88,7 +88,7 @@ class LMSModel(keras.Model):
         plan = self._plans.get(key)
         if plan is None:
             batch = _leading_dim(inputs)
-            if batch is not None:
+            if batch is not None and self._batch_hint is None:
                 self._batch_hint = batch
             calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
             plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
@@ -100,6 +100,27 @@ class LMSModel(keras.Model):
     def static_bytes(self) -> int:
         """Device bytes of weights, gradients and optimizer state (the planner's non-activation memory)."""
         return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """``keras.Model.fit``; first notes the batch size, which Keras hides from the traced step for
+        PyDataset/generator inputs (their batch axis is traced as unknown) but the offload plan needs."""
+        hint = _batch_size_of(x, batch_size)
+        if hint is not None:
+            self.batch_size_hint = hint
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    @property
+    def batch_size_hint(self):
+        """Batch size used for tensors whose batch axis is unknown when a step is traced (set by ``fit``)."""
+        return self._batch_hint
+
+    @batch_size_hint.setter
+    def batch_size_hint(self, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"batch_size_hint must be a positive integer; got {value!r}.")
+        if value != self._batch_hint:
+            self._batch_hint = value
+            self._plans.clear()  # plans of unknown-batch signatures were sized with the old hint
 
     def plan(self, batch_size: int = 1) -> list:
         """The offload plan for one training step at ``batch_size`` (one PlanEntry per layer call)."""
@@ -166,6 +187,24 @@ class LMSModel(keras.Model):
     def from_config(cls, config, custom_objects=None):
         inner = keras.saving.deserialize_keras_object(config["model"], custom_objects=custom_objects)
         return cls(inner, LMSConfig.from_dict(config["lms_config"]), name=config.get("name"))
+
+
+def _batch_size_of(x, batch_size):
+    """The batch size ``fit`` will use, when it can be known without consuming the data."""
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
+        return batch_size
+    if isinstance(x, keras.utils.PyDataset):
+        try:
+            first = x[0]
+        except Exception:  # noqa: BLE001 - a dataset that cannot be indexed up front: no hint
+            return None
+        return _leading_dim(first[0] if isinstance(first, tuple) else first)
+    element_spec = getattr(x, "element_spec", None)  # tf.data.Dataset
+    if element_spec is not None:
+        spec = element_spec[0] if isinstance(element_spec, tuple) else element_spec
+        return _leading_dim(spec)
+    n = _leading_dim(x)
+    return None if n is None else min(32, n)  # Keras' default batch size for arrays
 
 
 def _leading_dim(inputs):

@@ -121,3 +121,28 @@ def test_custom_training_loop_with_optimizer():
 
     losses = [float(step()) for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, n_batches=2, batch=4):
+        super().__init__()
+        self.n_batches, self.batch = n_batches, batch
+
+    def __len__(self):
+        return self.n_batches
+
+    def __getitem__(self, i):
+        x = np.full((self.batch, 32, 32, 1), i, "float32")
+        return x, x
+
+
+def test_fit_on_pydataset_plans_with_the_real_batch_size():
+    """Keras traces PyDataset steps with an unknown batch axis; the plan must still be sized per batch."""
+    wrapped = keras_lms.wrap(models.unet2d(), min_bytes="48KiB", keep_last=1)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    wrapped.fit(_Batches(batch=4), epochs=1, verbose=0)
+    assert wrapped.batch_size_hint == 4
+    first = wrapped.lms_plan[1]  # BatchNorm after the first conv: 4 x 32 x 32 x 4 float32 = 64 KiB per step
+    assert first.bytes == 4 * 32 * 32 * 4 * 4 and first.offloaded
+    with pytest.raises(ValueError, match="batch_size_hint must be a positive integer"):
+        wrapped.batch_size_hint = 0

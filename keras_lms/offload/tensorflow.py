@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms import policy
+from keras_lms.offload import common
 
 log = logging.getLogger("keras_lms")
 
@@ -111,6 +112,10 @@ class _CallRecord:
     moments: list = dataclasses.field(default_factory=list)  # BatchNorm (mean, variance) per _moments call
 
 
+def _is_tensor(value) -> bool:
+    return isinstance(value, tf.Tensor)
+
+
 def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
@@ -179,20 +184,9 @@ class StepContext:
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
     def _decision(self, index, unit, tensors):
-        entry = self.plan[index] if index < len(self.plan) else None
-        if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(tensors):
-            return policy.CallDecision(list(entry.tensor_offloaded), entry.reason)
-        if not self.mismatch_warned:
-            self.mismatch_warned = True
-            log.warning(
-                "keras-lms: layer call %d (%s) differs from the planned forward pass (the model's call order "
-                "depends on its inputs); deciding this step's remaining calls without keep_last.",
-                index, unit.name,
-            )
         sizes = [policy.tensor_bytes(t.shape, t.dtype) for t in tensors]
         ranks = [t.shape.rank or 0 for t in tensors]
-        return policy.decide(self.config, unit, self.structure.unit_models.get(id(unit), []), index, None,
-                             sizes, ranks, offloadable_reason(unit))
+        return common.planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit))
 
     def swap_out(self, tensor):
         if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends
@@ -207,7 +201,7 @@ class StepContext:
         return host
 
     def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
-        template, positions = _template(args, kwargs)
+        template, positions = common.template(args, kwargs, _is_tensor)
         n = len(tensors)
         is_layer = isinstance(unit, keras.layers.Layer)
         # Read values now: the snapshot must not see this step's state updates (same Dropout masks and
@@ -229,7 +223,7 @@ class StepContext:
             xs, values = list(flat[:n]), list(flat[n:])
             for x, mask in zip(xs, masks):
                 adapter.set_mask(x, mask)
-            call_args, call_kwargs = _rebuild(template, positions, xs)
+            call_args, call_kwargs = common.rebuild(template, positions, xs)
             with _capture_moments(unit, record):
                 outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
                                                                    call_kwargs, autocast)
@@ -321,7 +315,7 @@ class StepContext:
             upstream = [fused] + upstream[1:]
         foreign = list(foreign_variables or [])
         sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable) + foreign
-        call_args, call_kwargs = _rebuild(template, positions, xs)
+        call_args, call_kwargs = common.rebuild(template, positions, xs)
         with tf.device(compute_device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(sources)
@@ -451,21 +445,6 @@ class _without_activation:
     def __exit__(self, *exc):
         if self.enabled:
             object.__setattr__(self.unit, "activation", self.saved)
-
-
-def _template(args, kwargs):
-    """(args, kwargs) with every tf.Tensor replaced by None, so closures never hold forward tensors."""
-    leaves = tf.nest.flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor)]
-    blank = [None if isinstance(leaf, tf.Tensor) else leaf for leaf in leaves]
-    return tf.nest.pack_sequence_as((args, kwargs), blank), positions
-
-
-def _rebuild(template, positions, tensors):
-    leaves = tf.nest.flatten(template)
-    for pos, tensor in zip(positions, tensors):
-        leaves[pos] = tensor
-    return tf.nest.pack_sequence_as(template, leaves)
 
 
 def offloadable_reason(unit) -> str | None:

@@ -55,6 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms import policy
+from keras_lms.offload import common
 
 log = logging.getLogger("keras_lms")
 
@@ -415,23 +416,12 @@ def validate_host_device(host_device: str) -> str:
     return "/CPU:0"
 
 
+def _is_torch_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
 def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-def _template(args, kwargs):
-    """(args, kwargs) with every torch.Tensor replaced by None, so records never hold forward tensors."""
-    leaves = keras.tree.flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    blank = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return keras.tree.pack_sequence_as((args, kwargs), blank), positions
-
-
-def _rebuild(template, positions, tensors):
-    leaves = keras.tree.flatten(template)
-    for pos, tensor in zip(positions, tensors):
-        leaves[pos] = tensor
-    return keras.tree.pack_sequence_as(template, leaves)
 
 
 class _RngState:
@@ -512,7 +502,7 @@ class _CallRecord:
         xs, values = list(flat[:self.n_inputs]), list(flat[self.n_inputs:])
         for x, mask in zip(xs, self.masks):
             adapter.set_mask(x, mask)
-        args, kwargs = _rebuild(self.template, self.positions, xs)
+        args, kwargs = common.rebuild(self.template, self.positions, xs)
         outputs, new_state, losses = adapter.run_stateless(self.unit, self.original, values, self.snapshot, args,
                                                            kwargs, self.autocast)
         leaves = keras.tree.flatten(outputs)
@@ -579,7 +569,7 @@ class _CallRecord:
             params = [p.detach().requires_grad_(True) for p in self.trainable]
             for x, mask in zip(xs, self.masks):
                 adapter.set_mask(x, mask)
-            args, kwargs = _rebuild(self.template, self.positions, xs)
+            args, kwargs = common.rebuild(self.template, self.positions, xs)
             outputs, _, losses = adapter.run_stateless(self.unit, self.original, params, self.snapshot, args, kwargs,
                                                        self.autocast)
             targets = [t for t in keras.tree.flatten(outputs) if isinstance(t, torch.Tensor)] + list(losses)
@@ -656,20 +646,9 @@ class StepContext:
         return bool(getattr(unit, "trainable_variables", None))
 
     def _decision(self, index, unit, tensors):
-        entry = self.plan[index] if index < len(self.plan) else None
-        if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(tensors):
-            return policy.CallDecision(list(entry.tensor_offloaded), entry.reason)
-        if not self.mismatch_warned:
-            self.mismatch_warned = True
-            log.warning(
-                "keras-lms: layer call %d (%s) differs from the planned forward pass (the model's call order "
-                "depends on its inputs); deciding this step's remaining calls without keep_last.",
-                index, unit.name,
-            )
         sizes = [policy.tensor_bytes(tuple(t.shape), keras.backend.standardize_dtype(t.dtype)) for t in tensors]
         ranks = [t.dim() for t in tensors]
-        return policy.decide(self.config, unit, self.structure.unit_models.get(id(unit), []), index, None,
-                             sizes, ranks, offloadable_reason(unit))
+        return common.planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit))
 
     def swap_out(self, tensor) -> _HostCopy:
         """The step's host copy of ``tensor`` (made once, shared by every call that offloads it)."""
@@ -681,7 +660,7 @@ class StepContext:
             return host
 
     def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
-        template, positions = _template(args, kwargs)
+        template, positions = common.template(args, kwargs, _is_torch_tensor)
         is_layer = isinstance(unit, keras.layers.Layer)
         trainable = list(adapter.raw_values(unit.trainable_variables)) if is_layer else []
         snapshot = list(adapter.raw_values(unit.non_trainable_variables)) if is_layer else []
