@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 
 import keras
-from keras.src.backend.common import global_state  # noqa: F401  (import checked by the adapter test)
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
 

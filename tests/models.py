@@ -1,6 +1,7 @@
 """Test models: small, but each exercises one structure the wrapper must handle."""
 
 import keras
+import numpy as np
 from keras import layers
 
 
@@ -159,3 +160,24 @@ def tied_weights():
     encode = layers.Dense(4, use_bias=False, name="encode")
     hidden = layers.Dense(4, activation="tanh")(encode(inp))
     return keras.Model(inp, TiedProjection(encode)(hidden), name="tied_weights")
+
+
+_RNG = np.random.default_rng(0)
+
+
+def images(batch=4, size=16, channels=3):
+    return _RNG.random((batch, size, size, channels)).astype("float32")
+
+
+# The structures both back ends' numerics suites compare wrapped vs plain on: name -> (build, make inputs).
+ORACLE_CASES = {
+    "cnn_bn_dropout": (cnn_bn_dropout, lambda: images()),
+    "unet2d": (unet2d, lambda: images(size=32, channels=1)),
+    "resnet_blocks": (resnet_blocks, lambda: images()),
+    "nested": (nested, lambda: images()),
+    "multi_io": (multi_io, lambda: {"image": images(), "meta": _RNG.random((4, 5)).astype("float32")}),
+    "losses_and_frozen": (losses_and_frozen, lambda: images()),
+    "masked_sequence": (masked_sequence,
+                        lambda: np.concatenate([_RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
+    "subclassed": (subclassed, lambda: images()),
+}

@@ -11,22 +11,9 @@ from tests.oracle import assert_matches, restore, snapshot
 RNG = np.random.default_rng(0)
 
 
-def images(batch=4, size=16, channels=3):
-    return RNG.random((batch, size, size, channels)).astype("float32")
-
-
-CASES = {
-    "cnn_bn_dropout": (models.cnn_bn_dropout, lambda: images()),
-    "unet2d": (models.unet2d, lambda: images(size=32, channels=1)),
-    "resnet_blocks": (models.resnet_blocks, lambda: images()),
-    "nested": (models.nested, lambda: images()),
-    "multi_io": (models.multi_io, lambda: {"image": images(), "meta": RNG.random((4, 5)).astype("float32")}),
-    "losses_and_frozen": (models.losses_and_frozen, lambda: images()),
-    "masked_sequence": (models.masked_sequence,
-                        lambda: np.concatenate([RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
-    "subclassed": (models.subclassed, lambda: images()),
-    "tied_weights": (models.tied_weights, lambda: RNG.random((4, 6)).astype("float32")),
-}
+CASES = {**models.ORACLE_CASES,
+         "tied_weights": (models.tied_weights, lambda: RNG.random((4, 6)).astype("float32"))}
+images = models.images
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -36,7 +23,7 @@ def test_wrapped_step_matches_plain(name, settings):
     build, data = CASES[name]
     model = build()
     wrapped = keras_lms.wrap(model, **settings)
-    result = assert_matches(model, wrapped, data())
+    assert_matches(model, wrapped, data())
     if settings.get("min_bytes") == 0:
         assert any(e.offloaded for e in wrapped.lms_plan)
 

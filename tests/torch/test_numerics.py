@@ -14,21 +14,8 @@ from tests.torch.torch_oracle import assert_matches, compare_step, restore, rng_
 RNG = np.random.default_rng(0)
 
 
-def images(batch=4, size=16, channels=3):
-    return RNG.random((batch, size, size, channels)).astype("float32")
-
-
-CASES = {
-    "cnn_bn_dropout": (models.cnn_bn_dropout, lambda: images()),
-    "unet2d": (models.unet2d, lambda: images(size=32, channels=1)),
-    "resnet_blocks": (models.resnet_blocks, lambda: images()),
-    "nested": (models.nested, lambda: images()),
-    "multi_io": (models.multi_io, lambda: {"image": images(), "meta": RNG.random((4, 5)).astype("float32")}),
-    "losses_and_frozen": (models.losses_and_frozen, lambda: images()),
-    "masked_sequence": (models.masked_sequence,
-                        lambda: np.concatenate([RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
-    "subclassed": (models.subclassed, lambda: images()),
-}
+CASES = models.ORACLE_CASES
+images = models.images
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
