@@ -7,7 +7,6 @@ CSVLogger and TensorBoard with no extra code.
 from __future__ import annotations
 
 import csv
-import sys
 
 import keras
 
@@ -106,13 +105,8 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
 
 def _across_ranks(values: dict) -> dict:
     """min/max of each value over Horovod ranks (collective: every rank's callback calls it)."""
-    hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is None:
-        return {}
-    try:
-        if not hvd.is_initialized() or hvd.size() < 2:
-            return {}
-    except (AttributeError, ValueError):
+    hvd = memory.initialized_horovod()
+    if hvd is None or hvd.size() < 2:
         return {}
     import tensorflow as tf
 

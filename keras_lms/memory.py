@@ -87,17 +87,21 @@ def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def ranks_on_this_node() -> int:
-    """Processes on this machine that offload into its RAM: Horovod's local size, else 1."""
+def initialized_horovod():
+    """``horovod.tensorflow`` when the program imported and initialised it, else None (never imports it)."""
     import sys
 
     hvd = sys.modules.get("horovod.tensorflow")
     try:
-        if hvd is not None and hvd.is_initialized():
-            return int(hvd.local_size())
+        return hvd if hvd is not None and hvd.is_initialized() else None
     except (AttributeError, ValueError):
-        pass
-    return 1
+        return None
+
+
+def ranks_on_this_node() -> int:
+    """Processes on this machine that offload into its RAM: Horovod's local size, else 1."""
+    hvd = initialized_horovod()
+    return int(hvd.local_size()) if hvd is not None else 1
 
 
 class HostMemoryError(MemoryError):

@@ -47,3 +47,18 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
         )
     return policy.decide(ctx.config, unit, ctx.structure.unit_models.get(id(unit), []), index, None, sizes, ranks,
                          offloadable)
+
+
+class InterceptingContext:
+    """Base of the back ends' StepContext: hands each intercepted unit call, numbered in forward order, to
+    ``self.call(index, unit, original, args, kwargs)``."""
+
+    index = 0
+
+    def make_wrapper(self, unit, original):
+        def intercepted_call(*args, **kwargs):
+            index = self.index
+            self.index += 1
+            return self.call(index, unit, original, args, kwargs)
+
+        return intercepted_call

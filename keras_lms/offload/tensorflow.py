@@ -144,7 +144,7 @@ def validate_host_device(host_device: str) -> str:
     return f"/CPU:{index}"
 
 
-class StepContext:
+class StepContext(common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode.
 
     Lives as long as the backward pass of that step needs it (the gradient functions close over it).
@@ -164,15 +164,7 @@ class StepContext:
         self.mismatch_warned = False
 
     # ------------------------------------------------------------------ forward
-    def make_wrapper(self, unit, original):
-        def intercepted_call(*args, **kwargs):
-            return self.call(unit, original, args, kwargs)
-
-        return intercepted_call
-
-    def call(self, unit, original, args, kwargs):
-        index = self.index
-        self.index += 1
+    def call(self, index, unit, original, args, kwargs):
         tensors = [leaf for leaf in tf.nest.flatten((args, kwargs)) if isinstance(leaf, tf.Tensor)]
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded:

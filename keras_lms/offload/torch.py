@@ -585,7 +585,7 @@ class _CallRecord:
         return input_grads + list(source_grads)
 
 
-class StepContext:
+class StepContext(common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode (torch).
 
     Lives as long as the backward pass of that step needs it: every offloaded call's autograd node holds its
@@ -620,15 +620,7 @@ class StepContext:
         return transfer
 
     # ----------------------------------------------------------------------------------- forward
-    def make_wrapper(self, unit, original):
-        def intercepted_call(*args, **kwargs):
-            return self.call(unit, original, args, kwargs)
-
-        return intercepted_call
-
-    def call(self, unit, original, args, kwargs):
-        index = self.index
-        self.index += 1
+    def call(self, index, unit, original, args, kwargs):
         tensors = [leaf for leaf in keras.tree.flatten((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded or not self._needs_graph(unit, tensors) or runs_plainly(unit, kwargs):

@@ -165,10 +165,10 @@ def _alive_activation_bytes(model, wrapped, x, at_layer=None):
     if at_layer is not None:
         call = lms_torch.StepContext.call
 
-        def spy(self, unit, original, args, kwargs):
+        def spy(self, index, unit, original, args, kwargs):
             if unit.name == at_layer:
                 seen_at.append(alive())
-            return call(self, unit, original, args, kwargs)
+            return call(self, index, unit, original, args, kwargs)
 
         lms_torch.StepContext.call = spy
     try:
