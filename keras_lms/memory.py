@@ -8,13 +8,16 @@ Host: the process's resident set size (psutil) and its high-water mark (Linux ``
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 
 import keras
 import psutil
 
+log = logging.getLogger("keras_lms")
 MIB = float(1 << 20)
+_warned_no_stats = set()
 _STATUS = pathlib.Path("/proc/self/status")
 _CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
 
@@ -36,11 +39,28 @@ def reset_device_peak(device: str) -> None:
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
-        tf.config.experimental.reset_memory_stats(device)
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except ValueError:
+            _warn_no_stats(device)
     elif keras.backend.backend() == "torch" and device.startswith("cuda"):
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _warn_no_stats(device: str) -> None:
+    """Say once per device why the device peak reads NaN, and how to get it.
+
+    TensorFlow's default CPU allocator keeps no statistics on machines without NUMA; its BFC allocator does.
+    """
+    if device in _warned_no_stats:
+        return
+    _warned_no_stats.add(device)
+    hint = (" On CPU, set the environment variable TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported."
+            if device.upper().startswith("CPU") else "")
+    log.warning("keras-lms: TensorFlow keeps no allocator statistics for %s, so peak_device_mib is NaN.%s",
+                device, hint)
 
 
 def device_peak_bytes(device: str) -> int | None:
@@ -51,6 +71,7 @@ def device_peak_bytes(device: str) -> int | None:
         try:
             return int(tf.config.experimental.get_memory_info(device)["peak"])
         except (ValueError, RuntimeError):
+            _warn_no_stats(device)
             return None
     if keras.backend.backend() == "torch" and device.startswith("cuda"):
         import torch

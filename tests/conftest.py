@@ -2,6 +2,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# TensorFlow's default CPU allocator keeps statistics only on NUMA machines; the BFC one always does, and the
+# callback and memory tests read them (keras_lms.memory warns and logs NaN without them).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import pytest  # noqa: E402
 

@@ -67,31 +67,42 @@ def test_min_bytes_and_keep_last_leave_tensors_on_device():
 
 
 def _swap_in_triggers(step):
-    """call index of each swap-in -> call index whose gradient arrival triggers it."""
+    """call index of each gated host stage -> call index whose gradient arrival triggers it."""
     triggers = {}
     for op in step.ops_named("lms_swap_in"):
-        own = int(re.match(r"lms_swap_in_(\d+)", base_name(op)).group(1))
+        match = re.fullmatch(r"lms_swap_in_(\d+)_host", base_name(op))
+        if not match:
+            continue
         marks = [c for c in op.control_inputs if base_name(c).startswith("lms_grad_arrival")]
         assert len(marks) == 1, (op.name, [c.name for c in op.control_inputs])
+        own = int(match.group(1))
         triggers.setdefault(own, set()).add(int(re.match(r"lms_grad_arrival_(\d+)", base_name(marks[0])).group(1)))
     return triggers
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_swap_in_waits_for_backward_and_prefetches(prefetch):
+    """The op that sends a host copy back is a host op gated on a backward gradient (prefetch calls ahead).
+
+    The gate must sit on the host side: a control dependency on the device-side op after the transfer gates
+    nothing (tests/test_executed_graph.py checks this on the graph TensorFlow executes)."""
     model = models.cnn_bn_dropout()
     x = RNG.random((2, 16, 16, 3)).astype("float32")
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=prefetch)
     step = trace_step(wrapped, x)
     backward = {op.name for op in step.backward_ops}
-    swap_ins = step.ops_named("lms_swap_in")
+    swap_ins = [op for op in step.ops_named("lms_swap_in") if re.fullmatch(r"lms_swap_in_\d+", base_name(op))]
     assert swap_ins
     for op in swap_ins:
         assert op.name in backward
         # It cannot run before the backward pass: its ancestors include a backward op (the gradient arrival).
         assert any(name in backward for name in ancestors(op)), op.name
-        assert op.device.endswith("CPU:0")  # compute device on this CPU-only machine
+        stage = op.inputs[0].op
+        assert re.fullmatch(r"lms_swap_in_\d+_host", base_name(stage)), stage.name
+        assert stage.device.endswith("CPU:0") and stage.type != "Identity", (stage.device, stage.type)
+        assert any(base_name(c).startswith("lms_grad_arrival") for c in stage.control_inputs), stage.name
     triggers = _swap_in_triggers(step)
+    assert triggers
     n_calls = len(wrapped.lms_plan)
     for own, trig in triggers.items():
         expected = min(own + prefetch, n_calls - 1)

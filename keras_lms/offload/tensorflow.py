@@ -37,13 +37,26 @@ log = logging.getLogger("keras_lms")
 SWAP_OUT_NAME = "lms_swap_out"
 SWAP_IN_NAME = "lms_swap_in"
 GRAD_ARRIVAL_NAME = "lms_grad_arrival"
+HOST_STAGE_SUFFIX = "host"
+
+
+def _HOST_OP(tensor, name):
+    """The op that holds a tensor on the host: ``EnsureShape`` (returns its input buffer, never copies).
+
+    It must not be ``Identity``/``IdentityN``/``NoOp``: grappler's dependency optimiser removes those when that
+    lowers the number of device crossings, and a host Identity between device ops is exactly that case.
+    ``tests/test_executed_graph.py`` checks on the partitioned graph TensorFlow runs that the ops survive.
+    """
+    return tf.raw_ops.EnsureShape(input=tensor, shape=tensor.shape, name=name)
 
 
 def _output_gradient_fns():
     """activation function -> f(y, dy) giving d(activation)/d(input) * dy from the activation's output.
 
-    These are the very kernels TensorFlow's own gradients use (they read the op's output), so results are
-    bit-identical to the plain model.
+    These are the ops TensorFlow's own registered gradients of Relu/Sigmoid/Tanh/Elu emit, fed the same
+    output tensor, and they are elementwise (no reduction whose order could differ). Checked bit-identical to
+    the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
+    (tests/test_output_gradients.py). Only these four: keep a new entry only if that test shows it exact.
     """
     acts = keras.activations
     return {
@@ -68,9 +81,16 @@ _LINEAR_CORE_CALLS = {cls.call for cls in _LINEAR_CORE_LAYERS}
 def input_gradient_from_output(unit):
     """``(needs_input, fn(x, y, dy))`` giving d(unit)/d(input) * dy from the unit's output ``y``, or None.
 
-    For weightless units whose gradient TensorFlow itself computes from the op's output: activation layers
-    (``ReLU()``, ``Activation("relu"|"sigmoid"|"tanh"|"elu")``) need only ``y``; max pooling needs ``x`` and
-    ``y`` (``MaxPoolGrad``). Using the output's host copy (the next layer's input) avoids the recompute.
+    For the activation layers ``ReLU()`` and ``Activation("relu"|"sigmoid"|"tanh"|"elu")``, whose gradient
+    TensorFlow itself computes from the op's output (``needs_input`` is always False): using the output's
+    host copy (the next layer's input) avoids the recompute.
+
+    Max pooling is recomputed instead (None). A standalone ``MaxPoolGrad``/``MaxPool3DGrad`` fed the host
+    copies is not what the plain model runs: with oneDNN (TensorFlow's default on recent x86 CPUs) the plain
+    graph pairs the forward pooling with its gradient through a workspace of argmax indices, while a lone
+    gradient op runs another kernel. Measured against the plain model in float32: MaxPooling3D 0.7 relative
+    gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
+    overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
     """
     fns = _output_gradient_fns()
     act = None
@@ -78,19 +98,14 @@ def input_gradient_from_output(unit):
         act = fns.get(unit.activation)
     elif type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
         act = fns[keras.activations.relu]
-    if act is not None:
-        return False, lambda x, y, dy: act(y, dy)
-    pools = {keras.layers.MaxPooling2D: (2, tf.raw_ops.MaxPoolGrad, "NHWC"),
-             keras.layers.MaxPooling3D: (3, tf.raw_ops.MaxPool3DGrad, "NDHWC")}
-    if type(unit) in pools and unit.data_format == "channels_last":
-        rank, grad_op, fmt = pools[type(unit)]
-        ksize = [1, *unit.pool_size, 1]
-        strides = [1, *(unit.strides or unit.pool_size), 1]
-        padding = unit.padding.upper()
-        if len(unit.pool_size) == rank:
-            return True, lambda x, y, dy: grad_op(orig_input=x, orig_output=y, grad=dy, ksize=ksize,
-                                                  strides=strides, padding=padding, data_format=fmt)
-    return None
+    if act is None:
+        return None
+    return False, lambda x, y, dy: act(y, dy)
+
+
+def reads_own_output(unit) -> bool:
+    """Whether the unit's gradient can be taken from its output (fused activation or output-based layer)."""
+    return fused_activation_grad(unit) is not None or input_gradient_from_output(unit) is not None
 
 
 def fused_activation_grad(unit):
@@ -120,9 +135,14 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
-def _default_compute_device() -> str:
-    gpus = tf.config.list_logical_devices("GPU")
-    return gpus[0].name if gpus else "/CPU:0"
+def _on_device(device):
+    """``tf.device(device)``, or no scope when the forward ops carried no device of their own.
+
+    Unplaced forward ops run where the placer puts the step (the GPU, or the device the user's ``tf.device``
+    scope or Horovod's pinning names); the backward ops must then stay unplaced too, so they land on the same
+    device. Naming a default here would be wrong whenever it is not that device (e.g. a second CPU device).
+    """
+    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def validate_host_device(host_device: str) -> str:
@@ -172,7 +192,12 @@ class StepContext(common.InterceptingContext):
                 # A kept layer with weights holds its inputs on the device for its weight gradient anyway;
                 # its producer may read them there instead of recomputing (see _swapped_in_output).
                 self.device_held.update(t.ref() for t in tensors)
-            return original(*args, **kwargs)
+            if self.eager or not reads_own_output(unit):
+                return original(*args, **kwargs)
+            # Kept inputs, but TensorFlow's own gradient would read this call's *output* on the device (a
+            # fused relu, a ReLU layer, max pooling) and so keep it there even when the next layer offloads
+            # it. Run it through the offload path with nothing offloaded: its backward then reads the
+            # output's host copy when a consumer made one (see _swapped_in_output).
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
     def _decision(self, index, unit, tensors):
@@ -188,7 +213,9 @@ class StepContext(common.InterceptingContext):
         host = self.host_copies.get(key)
         if host is None:
             with tf.device(self.host):
-                host = tf.identity(tensor, name=SWAP_OUT_NAME)
+                # Not tf.identity: grappler's dependency optimiser bypasses a host Identity between device ops
+                # (fewer device crossings), which removed the whole offload in 0.1.0. See _HOST_OP.
+                host = _HOST_OP(tensor, name=SWAP_OUT_NAME)
             self.host_copies[key] = host
         return host
 
@@ -200,7 +227,7 @@ class StepContext(common.InterceptingContext):
         # BatchNorm statistics in the recompute).
         trainable = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.trainable_variables)] if is_layer else []
         snapshot = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)] if is_layer else []
-        compute_device = next((t.device for t in tensors if t.device), None) or _default_compute_device()
+        compute_device = next((t.device for t in tensors if t.device), None)
         hosts = [self.swap_out(t) if off else None for t, off in zip(tensors, decision.offload_tensor)]
         # Small tensors stay on the device and are read by the backward pass directly.
         kept = [None if off else t for t, off in zip(tensors, decision.offload_tensor)]
@@ -254,6 +281,7 @@ class StepContext(common.InterceptingContext):
         # The backward closure must not hold forward tensors (in eager mode that would keep them alive).
         result["outputs"] = result["new_state"] = None
         result["output_key"] = None if self.eager else flat_results[0].ref()
+        result["kept"] = not decision.offloaded
         return outputs
 
     # ----------------------------------------------------------------- backward
@@ -266,14 +294,24 @@ class StepContext(common.InterceptingContext):
         return record.marker
 
     def swap_in(self, host, trigger, device, index):
+        """Bring a host copy back to the compute device once the backward pass reaches ``trigger``.
+
+        The wait must sit on the *host* side: a cross-device edge becomes a ``_Send``/``_Recv`` pair and the
+        device-side ``_Recv`` has no inputs, so a control dependency after it gates nothing and the copy would
+        arrive (and occupy the device) during the forward pass. Here a host op that carries the dependency on
+        the trigger produces the tensor that is sent, so the transfer cannot start before the trigger runs.
+        """
         if self.eager:
             with tf.device(device):
-                dev = tf.identity(host)
+                return tf.identity(host)
+        if trigger is None:
+            staged = host
         else:
-            with tf.control_dependencies([trigger]), tf.device(device):
-                dev = tf.identity(host, name=f"{SWAP_IN_NAME}_{index}")
-        if not self.eager:
-            self.swap_ins[host.ref()] = dev
+            with tf.device(self.host), tf.control_dependencies([trigger]):
+                staged = _HOST_OP(host, name=f"{SWAP_IN_NAME}_{index}_{HOST_STAGE_SUFFIX}")
+        with _on_device(device):
+            dev = tf.identity(staged, name=f"{SWAP_IN_NAME}_{index}")
+        self.swap_ins[host.ref()] = dev
         return dev
 
     def _backward(self, record, unit, original, template, positions, hosts, kept, masks, trainable, snapshot,
@@ -282,7 +320,7 @@ class StepContext(common.InterceptingContext):
         arrived = next((g for g in upstream if g is not None), None)
         trigger = None
         if not self.eager and arrived is not None:
-            with tf.device(compute_device):
+            with _on_device(compute_device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
         direct = input_gradient_from_output(unit)
@@ -294,7 +332,7 @@ class StepContext(common.InterceptingContext):
                 x = None
                 if needs_input:
                     x = kept[0] if hosts[0] is None else self.swap_in(hosts[0], trigger, compute_device, record.index)
-                with tf.device(compute_device):
+                with _on_device(compute_device):
                     return [input_grad(x, y, upstream[0])]
         xs = []
         for host, keep, mask in zip(hosts, kept, masks):
@@ -308,7 +346,7 @@ class StepContext(common.InterceptingContext):
         foreign = list(foreign_variables or [])
         sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable) + foreign
         call_args, call_kwargs = common.rebuild(template, positions, xs)
-        with tf.device(compute_device):
+        with _on_device(compute_device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(sources)
                 with _without_activation(unit, enabled=fused is not None), _reuse_moments(unit, record):
@@ -336,7 +374,7 @@ class StepContext(common.InterceptingContext):
         y = self._swapped_in_output(result, record, trigger, compute_device)
         if y is None:
             return None
-        with tf.device(compute_device):
+        with _on_device(compute_device):
             return activation_grad(y, upstream[0])
 
     def _swapped_in_output(self, result, record, trigger, compute_device):
@@ -350,7 +388,10 @@ class StepContext(common.InterceptingContext):
             return None
         host = self.host_copies.get(result["output_key"])
         if host is None:
-            return result["output_key"].deref() if result["output_key"] in self.device_held else None
+            # No consumer offloaded the output: it is on the device anyway when a kept consumer with weights
+            # holds it, or when this call is kept (as the plain model's gradient would read it there).
+            on_device = result["output_key"] in self.device_held or result.get("kept")
+            return result["output_key"].deref() if on_device else None
         y = self.swap_ins.get(host.ref())
         return y if y is not None else self.swap_in(host, trigger, compute_device, record.index)
 

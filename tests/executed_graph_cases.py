@@ -1,0 +1,123 @@
+"""Run the executed-graph cases in a fresh process (two logical CPUs must be set before TF initialises).
+
+    python -m tests.executed_graph_cases OUT.json
+
+Writes, per case, the counts ``tests/test_executed_graph.py`` asserts on (see tests/executed_graph.py).
+Cases: three models (2D U-Net, ResNet-style, 3D U-Net) x {wrap() defaults, forced offload with prefetch
+0/1/2}, and two negative controls per model: the plain model, and the 0.1.0 mechanism rebuilt here (a host
+``Identity`` swap-out, and a swap-in gated on the device side) with grappler's defaults and with its
+dependency optimiser off (then the swap-out survives, and the transfer back is shown to be ungated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+from tests import executed_graph as eg  # noqa: E402
+
+eg.configure_two_cpus()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_lms  # noqa: E402
+from examples.unet import build_unet  # noqa: E402
+from keras_lms.offload import tensorflow as tf_offload  # noqa: E402
+from tests import models  # noqa: E402
+
+# Activations at least this large count (the models' smallest activations are >= 16 KiB; biases, BatchNorm
+# statistics and their reshapes are < 1 KiB).
+ACTIVATION_BYTES = 1024
+
+# Sizes chosen so that wrap()'s defaults (min_bytes=1 MiB, keep_last=1) offload several calls.
+MODELS = {
+    "unet2d": (lambda: models.unet2d(size=128, filters=8, depth=2), (4, 128, 128, 1)),
+    "resnet": (lambda: models.resnet_blocks(size=96, filters=16, blocks=2), (4, 96, 96, 3)),
+    "unet3d": (lambda: build_unet((32, 32, 32, 1), depth=2, base_filters=8, dropout=0.1), (2, 32, 32, 32, 1)),
+}
+CONFIGS = {
+    "defaults": {},
+    "forced_prefetch0": dict(min_bytes=0, keep_last=0, prefetch=0),
+    "forced_prefetch1": dict(min_bytes=0, keep_last=0, prefetch=1),
+    "forced_prefetch2": dict(min_bytes=0, keep_last=0, prefetch=2),
+}
+
+
+def _old_swap_in(self, host, trigger, device, index):
+    """0.1.0's swap-in: a compute-device Identity with the trigger as control input (gates nothing)."""
+    with tf.control_dependencies([trigger] if trigger is not None else []), tf_offload._on_device(device):
+        dev = tf.identity(host, name=f"{tf_offload.SWAP_IN_NAME}_{index}")
+    self.swap_ins[host.ref()] = dev
+    return dev
+
+
+@contextlib.contextmanager
+def old_mechanism():
+    """Rebuild the 0.1.0 mechanism: host Identity swap-out, device-side gated swap-in."""
+    saved = tf_offload._HOST_OP, tf_offload.StepContext.swap_in
+    tf_offload._HOST_OP = lambda tensor, name: tf.identity(tensor, name=name)
+    tf_offload.StepContext.swap_in = _old_swap_in
+    try:
+        yield
+    finally:
+        tf_offload._HOST_OP, tf_offload.StepContext.swap_in = saved
+
+
+@contextlib.contextmanager
+def dependency_optimizer_off():
+    tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({"dependency_optimization": True})
+
+
+def counts(model, x, wrapped=None):
+    step = eg.run_step(wrapped or model, x, None)
+    plan = getattr(wrapped, "lms_plan", None) if wrapped is not None else None
+    return {
+        "offloaded_calls": sum(e.offloaded for e in plan) if plan else 0,
+        "swap_out_sources": len(step.swap_out_sources),
+        "device_resident_reads": sorted(step.device_resident_reads(ACTIVATION_BYTES)),
+        "bypassed": sorted(step.bypassed(ACTIVATION_BYTES)),
+        "transfers_back": len(step.transfers_back(ACTIVATION_BYTES)),
+        "ungated": sorted(src for _, src in step.ungated_transfers(ACTIVATION_BYTES)),
+    }
+
+
+def run_cases():
+    results = {}
+    rng = np.random.default_rng(0)
+    for name, (build, shape) in MODELS.items():
+        x = rng.random(shape).astype("float32")
+        with tf.device(eg.COMPUTE):
+            model = build()
+        results[f"{name}/plain"] = counts(model, x)
+        for config_name, kwargs in CONFIGS.items():
+            with tf.device(eg.COMPUTE):
+                wrapped = keras_lms.wrap(model, **kwargs)
+            results[f"{name}/{config_name}"] = counts(model, x, wrapped)
+        with old_mechanism():
+            with tf.device(eg.COMPUTE):
+                wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
+            results[f"{name}/old_mechanism"] = counts(model, x, wrapped)
+            with dependency_optimizer_off():
+                with tf.device(eg.COMPUTE):
+                    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
+                results[f"{name}/old_mechanism_no_dependency_optimizer"] = counts(model, x, wrapped)
+    return results
+
+
+if __name__ == "__main__":
+    out = run_cases()
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+    for case, c in out.items():
+        print(f"{case:48s} offloaded={c['offloaded_calls']:3d} resident={len(c['device_resident_reads']):3d} "
+              f"bypassed={len(c['bypassed']):3d} back={c['transfers_back']:3d} ungated={len(c['ungated']):3d}")

@@ -1,0 +1,73 @@
+"""The offload as TensorFlow executes it: partition graphs after grappler, on two logical CPU devices.
+
+The traced-graph tests (test_placement.py) check what we build; these check what runs. One fresh process
+(tests/executed_graph_cases.py: logical devices must be configured before TensorFlow initialises) runs one
+training step per case and counts, on the partitioned graph after grappler:
+
+* bypassed: tensors the wrapper sent to the host that a backward op on the compute device still reads there;
+* ungated: host copies sent back to the compute device by an op that does not wait for the backward pass;
+* device-resident reads: forward activations the backward reads on the compute device (any mechanism).
+
+Negative controls in the same run: the plain model (activations read on the device), and the 0.1.0
+mechanism rebuilt in the cases module, whose host Identity grappler removes (bypassed) and whose copy back,
+with grappler's dependency optimiser off, runs in the forward pass (ungated).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("unet2d", "resnet", "unet3d")
+WRAPPED = ("defaults", "forced_prefetch0", "forced_prefetch1", "forced_prefetch2")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    out = tmp_path_factory.mktemp("executed") / "cases.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.executed_graph_cases", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print(proc.stdout)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("config", WRAPPED)
+@pytest.mark.parametrize("model", MODELS)
+def test_offloaded_tensors_cross_to_host_and_wait_for_backward(cases, model, config):
+    c = cases[f"{model}/{config}"]
+    assert c["offloaded_calls"] >= 3 and c["swap_out_sources"] >= 3, c
+    assert c["bypassed"] == [], c["bypassed"]
+    assert c["ungated"] == [], c["ungated"]
+    # Every offloaded tensor whose backward needs it comes back through the host, gated.
+    assert c["transfers_back"] >= 3, c
+    if config.startswith("forced"):
+        # min_bytes=0, keep_last=0: no activation at all stays on the device for the backward pass.
+        assert c["device_resident_reads"] == [], c["device_resident_reads"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_defaults_keep_fewer_activations_on_device_than_plain(cases, model):
+    plain = cases[f"{model}/plain"]["device_resident_reads"]
+    wrapped = cases[f"{model}/defaults"]["device_resident_reads"]
+    assert len(wrapped) < len(plain), (wrapped, plain)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_negative_control_plain_model_reads_activations_on_device(cases, model):
+    plain = cases[f"{model}/plain"]
+    forced = cases[f"{model}/forced_prefetch1"]
+    # Every tensor the forced wrapper moves to the host is, in the plain model, read on the device.
+    assert len(plain["device_resident_reads"]) >= forced["transfers_back"] >= 3, (plain, forced)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_negative_control_old_mechanism_is_bypassed_or_ungated(cases, model):
+    """0.1.0's host Identity: grappler removes it (bypassed); without that pass the copy back is ungated."""
+    old = cases[f"{model}/old_mechanism"]
+    assert len(old["bypassed"]) >= 3 and old["transfers_back"] == 0, old
+    kept_identity = cases[f"{model}/old_mechanism_no_dependency_optimizer"]
+    assert kept_identity["bypassed"] == [] and len(kept_identity["ungated"]) >= 3, kept_identity
