@@ -1,6 +1,6 @@
 """The only module that touches private Keras API.
 
-keras-lms needs four things Keras 3 does not expose publicly:
+keras-lms needs five things Keras 3 does not expose publicly:
 
 * run a layer's *original* ``call`` statelessly while collecting only the losses that ``call`` adds
   (``Layer.stateless_call(return_losses=True)`` also returns weight-regularisation losses, which Keras
@@ -8,10 +8,13 @@ keras-lms needs four things Keras 3 does not expose publicly:
 * read a variable's stored value without the mixed-precision autocast that is active inside a layer call;
 * intercept a layer call *after* ``Layer.__call__`` has resolved ``training``, masks and autocasting,
   which we do by shadowing the bound ``call`` method on the instance for the duration of one forward pass;
-* clear the losses a throw-away planning trace left on the layers.
+* clear the losses a throw-away planning trace left on the layers;
+* re-enter, in the backward recompute, the Keras call context (``training`` and the other call-context
+  arguments) that the forward call ran under (:class:`CallInContext`).
 
-Everything here is pinned to the Keras range in pyproject.toml; ``tests/test_keras_adapter.py`` fails
-loudly when a Keras release changes one of these assumptions.
+Everything here is pinned to the Keras range in pyproject.toml; ``tests/test_keras_adapter.py`` (and
+``tests/torch/test_keras_adapter.py`` for the torch back end) fails loudly when a Keras release changes one
+of these assumptions.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import contextlib
 
 import keras
+from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
+from keras.src.layers.layer import CallContext
 
 SUPPORTED_KERAS = (">=3.15", "<3.16")
 
@@ -31,6 +36,7 @@ __all__ = [
     "raw_values",
     "patched_calls",
     "original_call",
+    "CallInContext",
     "clear_losses",
     "is_quantized",
     "functional_operations",
@@ -101,12 +107,94 @@ def original_call(op):
     return op.call
 
 
+_CALL_CONTEXT = "current_call_ctx"  # the global_state attribute Layer._get_call_context reads
+
+
+def _context_values(context) -> dict | None:
+    """The call-context arguments a ``CallContext`` holds (``training`` and any registered with
+    ``Layer._register_call_context_args``), or None for no context."""
+    if context is None:
+        return None
+    return {name: value for name, value in vars(context).items() if name != "entry_layer"}
+
+
+def _holds(context, values) -> bool:
+    """Whether ``context`` is a live context holding exactly ``values`` (compared by identity: they may be tensors)."""
+    current = _context_values(context)
+    if current is None or values is None:
+        return current is values
+    return current.keys() == values.keys() and all(current[k] is values[k] for k in values)
+
+
+@contextlib.contextmanager
+def _entered_call_context(values):
+    """Make a fresh ``CallContext`` holding ``values`` the current one (None: no context), restoring on exit.
+
+    Its ``entry_layer`` is None, so no sublayer resets it (``Layer._maybe_reset_call_context``) or clears its
+    losses as a new entry layer would; what the sublayers write into it is dropped on exit.
+    """
+    previous = global_state.get_global_attribute(_CALL_CONTEXT)
+    context = None
+    if values is not None:
+        context = CallContext(entry_layer=None)
+        for name, value in values.items():
+            context.set_value(name, value)
+    global_state.set_global_attribute(_CALL_CONTEXT, context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(_CALL_CONTEXT, previous)
+
+
+class CallInContext:
+    """An op's original ``call``, bound to the Keras call context of one intercepted call.
+
+    ``Layer.__call__`` resolves ``training`` (explicit argument, else the enclosing call's context, else the
+    signature default) and stores it in a thread-local ``CallContext`` that every sublayer called inside
+    ``call`` reads. A composite layer whose ``call`` takes no ``training`` argument therefore gets the flag to
+    its inner Dropout/BatchNorm only through that context. The backward recompute runs ``call`` outside
+    ``Layer.__call__`` (no context, so inference mode) and on another thread on torch; this records the
+    context's values when the call is intercepted and replays them.
+
+    Called inside the very context it recorded, still holding the recorded values (the forward pass), it runs
+    there, so what its sublayers write into the context reaches later calls exactly as in the plain model.
+    Anywhere else (the recompute, or a retried forward whose first attempt changed the context) it runs
+    under a fresh context holding the recorded values.
+    """
+
+    __slots__ = ("call", "context", "values")
+
+    def __init__(self, call):
+        self.call = call
+        self.context = global_state.get_global_attribute(_CALL_CONTEXT)
+        self.values = _context_values(self.context)
+
+    def __call__(self, *args, **kwargs):
+        current = global_state.get_global_attribute(_CALL_CONTEXT)
+        if current is self.context and _holds(current, self.values):
+            return self.call(*args, **kwargs)
+        with _entered_call_context(self.values):
+            return self.call(*args, **kwargs)
+
+
+def _intercepting_call(op, original, make_wrapper):
+    """The instance ``call`` that hands each call to ``make_wrapper(op, CallInContext(original))``."""
+
+    def intercepted(*args, **kwargs):
+        return make_wrapper(op, CallInContext(original))(*args, **kwargs)
+
+    return intercepted
+
+
 @contextlib.contextmanager
 def patched_calls(ops, make_wrapper):
     """Shadow ``op.call`` with ``make_wrapper(op, original)`` for every op, restoring on exit.
 
     ``Layer.__call__`` / ``Operation.__call__`` look ``call`` up on the instance, so an instance attribute
     intercepts every call of that op after Keras resolved ``training``, masks and autocast scopes.
+    ``make_wrapper`` is called once per intercepted call, with ``original`` bound to that call's Keras call
+    context (:class:`CallInContext`): a recompute that calls it later runs under the forward call's
+    ``training`` value even when the op's ``call`` has no ``training`` argument.
     """
     patched = []
     try:
@@ -120,7 +208,7 @@ def patched_calls(ops, make_wrapper):
             previous = op.__dict__.get("call")
             original = op.call
             object.__setattr__(op, "_keras_lms_original_call", original)
-            object.__setattr__(op, "call", make_wrapper(op, original))
+            object.__setattr__(op, "call", _intercepting_call(op, original, make_wrapper))
             patched.append((op, had_own, previous))
         yield
     finally:
@@ -202,10 +290,33 @@ def compute_output_spec(fn, *args, **kwargs):
 
     Nothing is computed and no state changes (Keras runs it under a StatelessScope); the torch back end runs
     ``fn`` on "meta" tensors (falling back to real tensors when an op has no meta kernel).
+
+    Keras runs both torch attempts in the *same* StatelessScope, so state updates of a failed meta attempt
+    (BatchNorm moving statistics, seed states: meta tensors) would leak into the real-tensor retry and fail it
+    ("Tensor on device cpu is not on the expected device meta", e.g. BatchNormalization before UpSampling2D,
+    which has no meta kernel). Every attempt here starts from the scope's state at the first one.
     """
     from keras.src import backend
 
-    return backend.compute_output_spec(fn, *args, **kwargs)
+    return backend.compute_output_spec(_from_first_attempt_state(fn), *args, **kwargs)
+
+
+def _from_first_attempt_state(fn):
+    """``fn``, run each time from the StatelessScope state (updates, losses) its first run started from."""
+    initial = []
+
+    def attempt(*args, **kwargs):
+        scope = get_stateless_scope()
+        if scope is not None:
+            if not initial:
+                initial.append((dict(scope.state_mapping), list(scope.losses)))
+            state, losses = initial[0]
+            scope.state_mapping.clear()
+            scope.state_mapping.update(state)
+            scope.losses[:] = losses
+        return fn(*args, **kwargs)
+
+    return attempt
 
 
 def _functional_graphs(models):

@@ -162,11 +162,142 @@ def tied_weights():
     return keras.Model(inp, TiedProjection(encode)(hidden), name="tied_weights")
 
 
+# --- Composite layers whose ``call`` takes no ``training`` argument (common in keras_hub): their inner Dropout and
+# BatchNormalization learn the training flag only from Keras' call context, which the recompute must re-enter.
+class NormDropBlock(layers.Layer):
+    """Dense -> BatchNormalization -> Dropout(0.5), ``call`` without ``training``."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(units)
+        self.bn = layers.BatchNormalization()
+        self.drop = layers.Dropout(0.5)
+
+    def call(self, x):
+        return self.drop(self.bn(self.dense(x)))
+
+
+class Nest(layers.Layer):
+    """Dense -> Dropout -> ``child``: one more level of composite layers, ``call`` without ``training``."""
+
+    def __init__(self, child, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(units, activation="relu")
+        self.drop = layers.Dropout(0.3)
+        self.child = child
+
+    def call(self, x):
+        return self.child(self.drop(self.dense(x)))
+
+
+class ModelHolder(layers.Layer):
+    """A keras.Model used as a layer inside a composite layer, called without ``training``."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.Sequential([layers.Dense(units), layers.BatchNormalization(), layers.Dropout(0.5),
+                                      layers.Dense(units, activation="relu")])
+
+    def call(self, x):
+        return self.body(x)
+
+
+def composite_block(features=6):
+    """Dense -> NormDropBlock -> Dense: a composite layer one level deep (the minimal case of issue 10)."""
+    inp = keras.Input((features,))
+    x = NormDropBlock(8)(layers.Dense(8)(inp))
+    return keras.Model(inp, layers.Dense(3)(x), name="composite_block")
+
+
+def composite_nested(features=6):
+    """A layer in a layer in a layer: Nest(Nest(NormDropBlock)), Dropout at every level."""
+    inp = keras.Input((features,))
+    x = Nest(Nest(NormDropBlock(8)))(layers.Dense(8)(inp))
+    return keras.Model(inp, layers.Dense(3)(x), name="composite_nested")
+
+
+def composite_model(features=6):
+    """A Sequential model with BatchNorm and Dropout used as a layer inside a composite layer."""
+    inp = keras.Input((features,))
+    x = ModelHolder(8)(layers.Dense(8)(inp))
+    return keras.Model(inp, layers.Dense(3)(x), name="composite_model")
+
+
+class ConvBlock(layers.Layer):
+    """Conv2D -> BatchNormalization -> ReLU -> SpatialDropout2D, ``call`` without ``training``."""
+
+    def __init__(self, filters, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = layers.Conv2D(filters, 3, padding="same", use_bias=False)
+        self.bn = layers.BatchNormalization()
+        self.act = layers.ReLU()
+        self.drop = layers.SpatialDropout2D(0.25)
+
+    def call(self, x):
+        return self.drop(self.act(self.bn(self.conv(x))))
+
+
+def deep_supervision(size=16, filters=4):
+    """A small U-Net of ConvBlocks with a sigmoid side output (each with its own loss) at every decoder level."""
+    inp = keras.Input((size, size, 1))
+    skip = ConvBlock(filters)(inp)
+    x = ConvBlock(filters * 2)(layers.MaxPooling2D()(skip))
+    side_low = layers.Conv2D(1, 1, activation="sigmoid", name="side_low")(x)
+    x = layers.Concatenate()([layers.UpSampling2D()(x), skip])
+    x = ConvBlock(filters)(x)
+    side_mid = layers.Conv2D(1, 1, activation="sigmoid", name="side_mid")(x)
+    out = layers.Conv2D(1, 1, activation="sigmoid", name="final")(ConvBlock(filters)(x))
+    return keras.Model(inp, [out, side_mid, side_low], name="deep_supervision")
+
+
+class AttentionBlock(layers.Layer):
+    """Pre-norm transformer block: MultiHeadAttention(dropout=0.1) and a Dropout FFN, ``call`` without ``training``."""
+
+    def __init__(self, dim=8, heads=2, **kwargs):
+        super().__init__(**kwargs)
+        self.norm1 = layers.LayerNormalization()
+        self.attention = layers.MultiHeadAttention(heads, dim // heads, dropout=0.1)
+        self.norm2 = layers.LayerNormalization()
+        self.ffn = layers.Dense(2 * dim, activation="gelu")
+        self.proj = layers.Dense(dim)
+        self.drop = layers.Dropout(0.1)
+
+    def call(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h)
+        return x + self.drop(self.proj(self.ffn(self.norm2(x))))
+
+
+def attention_dropout(length=6, dim=8):
+    inp = keras.Input((length, dim))
+    x = AttentionBlock(dim)(layers.Dense(dim)(inp))
+    x = layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inp, layers.Dense(2)(x), name="attention_dropout")
+
+
+def cnn3d_maxpool(size=8, filters=4):
+    """A 3D CNN with MaxPooling3D after ReLU convolutions. The pointwise stem keeps the near-ties of the input
+    (see `near_ties`) inside the first pooling windows; relu zeros tie exactly."""
+    inp = keras.Input((size, size, size, 1))
+    x = layers.Conv3D(filters, 1, activation="relu")(inp)
+    x = layers.MaxPooling3D(2)(x)
+    x = layers.Conv3D(filters, 3, padding="same", activation="relu")(x)
+    x = layers.MaxPooling3D(2)(x)
+    x = layers.Flatten()(x)
+    return keras.Model(inp, layers.Dense(2)(x), name="cnn3d_maxpool")
+
+
 _RNG = np.random.default_rng(0)
 
 
 def images(batch=4, size=16, channels=3):
     return _RNG.random((batch, size, size, channels)).astype("float32")
+
+
+def near_ties(shape, step=0.25, jitter=1e-6):
+    """Values on a coarse grid plus multiples of ``jitter``: pooling windows hold exact and near ties."""
+    coarse = np.round(_RNG.random(shape) / step) * step
+    return (coarse + _RNG.integers(0, 3, shape) * jitter).astype("float32")
 
 
 # The structures both back ends' numerics suites compare wrapped vs plain on: name -> (build, make inputs).
@@ -180,4 +311,11 @@ ORACLE_CASES = {
     "masked_sequence": (masked_sequence,
                         lambda: np.concatenate([_RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
     "subclassed": (subclassed, lambda: images()),
+    # Issue 10: composite layers without `training`, deep supervision, attention dropout, 3D max pooling.
+    "composite_block": (composite_block, lambda: _RNG.random((4, 6)).astype("float32")),
+    "composite_nested": (composite_nested, lambda: _RNG.random((4, 6)).astype("float32")),
+    "composite_model": (composite_model, lambda: _RNG.random((4, 6)).astype("float32")),
+    "deep_supervision": (deep_supervision, lambda: images(size=16, channels=1)),
+    "attention_dropout": (attention_dropout, lambda: _RNG.random((4, 6, 8)).astype("float32")),
+    "cnn3d_maxpool": (cnn3d_maxpool, lambda: near_ties((2, 8, 8, 8, 1))),
 }

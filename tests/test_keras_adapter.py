@@ -127,3 +127,105 @@ def test_releasing_graph_runs_gives_identical_results():
     for key in expected:
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(expected[key]))
     assert "_run_through_graph" not in model.__dict__
+
+
+class _DropoutBlock(keras.layers.Layer):
+    """A composite layer whose ``call`` has no ``training``: its Dropout learns the flag from the call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = keras.layers.Dropout(0.5, seed=1)
+
+    def call(self, x):
+        return self.drop(x)
+
+
+def _bound_call_of(model, layer, x, training):
+    """The ``CallInContext`` that patched_calls hands make_wrapper when ``model`` calls ``layer``."""
+    bound = []
+
+    def make(op, original):
+        bound.append(original)
+        return original
+
+    with adapter.patched_calls([layer], make):
+        model(x, training=training)
+    return bound[0]
+
+
+def test_layer_call_stores_resolved_training_in_the_thread_local_call_context():
+    """Layer.__call__ puts the resolved ``training`` into global_state's ``current_call_ctx`` (a CallContext)
+    before ``call`` runs, and a sublayer without an explicit ``training`` reads it from there."""
+    block = _DropoutBlock()
+    inp = keras.Input((64,))
+    model = keras.Model(inp, block(inp))
+    x = np.ones((4, 64), "float32")
+    bound = _bound_call_of(model, block, x, training=True)
+    assert isinstance(bound, adapter.CallInContext)
+    assert bound.values == {"training": True}
+    assert _bound_call_of(model, block, x, training=False).values == {"training": False}
+    from keras.src.backend.common import global_state
+
+    assert global_state.get_global_attribute("current_call_ctx") is None  # reset after the outer call
+
+
+def test_call_in_context_replays_training_outside_layer_call():
+    """The recompute calls ``call`` outside Layer.__call__: without the replay the inner Dropout is inactive."""
+    from keras.src.backend.common import global_state
+
+    block = _DropoutBlock()
+    inp = keras.Input((64,))
+    model = keras.Model(inp, block(inp))
+    x = keras.ops.ones((4, 64))
+    bound = _bound_call_of(model, block, x, training=True)
+    np.testing.assert_array_equal(np.asarray(block.call(x)), 1.0)  # no context: inference mode
+    dropped = np.asarray(bound(x))
+    assert 0.2 < float(np.mean(dropped == 0)) < 0.8  # training mode: about half dropped
+    assert global_state.get_global_attribute("current_call_ctx") is None  # restored
+
+
+def test_call_in_context_runs_the_forward_in_the_live_context():
+    """Inside the context it recorded (the forward), it runs there: a sublayer's explicit ``training=False``
+    overwrites the shared context for the calls after it, as in the plain model (Keras' own behaviour)."""
+    from keras.src.backend.common import global_state
+
+    class Explicit(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(x, training=False)
+
+    layer = Explicit()
+    seen = []
+
+    def make(op, original):
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            seen.append((original.values["training"], global_state.get_global_attribute("current_call_ctx").training))
+            return out
+        return wrapper
+
+    inp = keras.Input((3,))
+    model = keras.Model(inp, layer(inp))
+    with adapter.patched_calls([layer], make):
+        model(np.ones((2, 3), "float32"), training=True)
+    assert seen == [(True, False)]  # recorded True; the live context now holds the sublayer's False
+
+
+def test_call_in_context_replays_on_another_thread():
+    """Keras' call context is thread-local (torch runs backward passes on its own threads): the replay enters
+    it on whichever thread calls."""
+    import threading
+
+    block = _DropoutBlock()
+    inp = keras.Input((64,))
+    model = keras.Model(inp, block(inp))
+    x = keras.ops.ones((4, 64))
+    bound = _bound_call_of(model, block, x, training=True)
+    out = []
+    thread = threading.Thread(target=lambda: out.append(np.asarray(bound(x))))
+    thread.start()
+    thread.join()
+    assert 0.2 < float(np.mean(out[0] == 0)) < 0.8

@@ -28,7 +28,7 @@ def test_wrapped_step_matches_plain(name, settings):
         assert any(e.offloaded for e in wrapped.lms_plan)
 
 
-@pytest.mark.parametrize("name", ["cnn_bn_dropout", "nested", "subclassed", "tied_weights"])
+@pytest.mark.parametrize("name", ["cnn_bn_dropout", "nested", "subclassed", "tied_weights", "composite_nested"])
 def test_eager_step_matches_plain(name):
     build, data = CASES[name]
     model = build()

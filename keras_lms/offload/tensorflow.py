@@ -195,7 +195,7 @@ class StepContext(common.InterceptingContext):
             if self.eager or not reads_own_output(unit):
                 return original(*args, **kwargs)
             # Kept inputs, but TensorFlow's own gradient would read this call's *output* on the device (a
-            # fused relu, a ReLU layer, max pooling) and so keep it there even when the next layer offloads
+            # fused relu/sigmoid/tanh/elu, a ReLU layer) and so keep it there even when the next layer offloads
             # it. Run it through the offload path with nothing offloaded: its backward then reads the
             # output's host copy when a consumer made one (see _swapped_in_output).
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
