@@ -138,7 +138,8 @@ def parse_args(task: Task, argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("size", "batch_size", "epochs", "depth", "base_filters"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            flag = task.size_flag if name == "size" else f"--{name.replace('_', '-')}"
+            parser.error(f"{flag} must be >= 1; got {getattr(args, name)}")
     for name in ("steps_per_epoch", "val_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -151,7 +152,26 @@ def parse_args(task: Task, argv=None) -> argparse.Namespace:
         parser.error("--bn-momentum must be in [0, 1)")
     if args.budget is not None:
         args.lms = True
+    problem = _unwritable_dir(pathlib.Path(args.out))
+    if problem:
+        parser.error(f"--out {args.out}: {problem}; choose a directory you can write to")
     return args
+
+
+def _unwritable_dir(path: pathlib.Path) -> str | None:
+    """Why ``path`` cannot be used as (or created as) an output directory, or None when it can."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a directory"
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor decides whether it can be created
+        if probe.parent == probe:
+            return "no existing parent directory"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
 
 
 # -------------------------------------------------------------------------------------- loss and metrics
@@ -305,7 +325,11 @@ def build_model(args, task: Task, channels: int, rt: Runtime, restore: pathlib.P
     distributed optimizer follow the current flags, so a run may be resumed with other ``--lms`` settings.
     """
     if restore is not None:
-        loaded = keras.saving.load_model(restore)
+        try:
+            loaded = keras.saving.load_model(restore)
+        except Exception as err:  # noqa: BLE001 - any failure to read it means the same thing to the user
+            raise ResumeError(f"--resume: {restore} cannot be loaded ({type(err).__name__}: {err}). Delete it and "
+                              f"{restore.with_name(STATE)} to start over.") from err
         base = keras_lms.unwrap(loaded) if isinstance(loaded, keras_lms.LMSModel) else loaded
         optimizer = loaded.optimizer  # with its state (slots, iterations, learning rate)
     else:
@@ -367,10 +391,32 @@ class DataEpoch(keras.callbacks.Callback):
         self.dataset.set_epoch(epoch)
 
 
+class AtomicCheckpoint(keras.callbacks.Callback):
+    """Saves the model after every epoch to a temporary file next to ``path`` and moves it into place.
+
+    ``os.replace`` is atomic on POSIX file systems: a kill or crash during the save leaves the previous epoch's
+    checkpoint intact (keras.callbacks.ModelCheckpoint writes the target file in place). Put it only in rank 0's
+    callback list.
+    """
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = pathlib.Path(path)
+
+    def on_epoch_end(self, epoch, logs=None):
+        tmp = self.path.with_name(f".{self.path.stem}.tmp{self.path.suffix}")
+        try:
+            self.model.save(tmp)
+            os.replace(tmp, self.path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
 class RunState(keras.callbacks.Callback):
     """Writes ``checkpoint.json`` after each epoch: completed epochs (for ``--resume``) and all epoch logs.
 
-    Put it after ModelCheckpoint: the JSON then never names an epoch whose checkpoint is not on disk.
+    Put it after AtomicCheckpoint: the JSON then never names an epoch whose checkpoint is not on disk.
     """
 
     def __init__(self, path: pathlib.Path, history: list, meta: dict):
@@ -419,7 +465,7 @@ def make_callbacks(args, rt: Runtime, out: pathlib.Path, history: list, resumed:
     if rt.is_root:
         callbacks += [
             keras.callbacks.CSVLogger(str(out / "training_log.csv"), append=resumed),
-            keras.callbacks.ModelCheckpoint(str(out / CHECKPOINT), save_freq="epoch"),
+            AtomicCheckpoint(out / CHECKPOINT),
             RunState(out / STATE, history, meta),
         ]
     return callbacks
@@ -442,11 +488,44 @@ def write_json(path: pathlib.Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_state(out: pathlib.Path) -> dict | None:
+# Flags that change the model's architecture or input: a checkpoint only fits a run with the same values.
+MODEL_FLAGS = ("size", "depth", "base_filters", "batch_norm", "bn_momentum", "dropout", "mixed_precision")
+
+
+class ResumeError(SystemExit):
+    """``--resume`` cannot continue from --out (exits with the message)."""
+
+
+def read_state(out: pathlib.Path, args=None, task: Task | None = None) -> dict | None:
+    """The run state of a resumable run in ``out``, or None when there is none.
+
+    Raises :class:`ResumeError` when the checkpoint is damaged (e.g. a run killed mid-save by an older
+    version) or was written with other model flags than ``args``.
+    """
     path = out / STATE
-    if not path.exists() or not (out / CHECKPOINT).exists():
+    checkpoint = out / CHECKPOINT
+    if not path.exists() or not checkpoint.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ResumeError(f"--resume: {path} is damaged ({err}). Delete it (and {checkpoint}) to start over, or "
+                          "restore both from a backup.") from err
+    import zipfile
+
+    if not zipfile.is_zipfile(checkpoint):
+        raise ResumeError(f"--resume: {checkpoint} is damaged or incomplete (not a .keras zip archive; was the run "
+                          f"killed while saving?). Delete {checkpoint} and {path} to start over.")
+    if args is not None:
+        saved = state.get("args", {})
+        for name in MODEL_FLAGS:
+            if name in saved and saved[name] != getattr(args, name):
+                flag = task.size_flag if task is not None and name == "size" else f"--{name.replace('_', '-')}"
+                raise ResumeError(
+                    f"--resume: the checkpoint in {out} was trained with {flag} {saved[name]!r}, this run asks for "
+                    f"{getattr(args, name)!r}. Use {flag} {saved[name]!r} to resume, or another --out to start a "
+                    "new run.")
+    return state
 
 
 def _series(history: list, key: str) -> list:
@@ -579,7 +658,7 @@ def run(task: Task, argv=None) -> dict | None:
     if args.dry_run:
         return dry_run(args, task, channels, rt, out) if rt.is_root else None
 
-    state = read_state(out) if args.resume else None
+    state = read_state(out, args, task) if args.resume else None
     if args.resume and state is None:
         rt.log(f"--resume: no {CHECKPOINT} + {STATE} in {out}; starting from scratch.")
     initial_epoch = _broadcast_int(rt, state["epoch"] if state else 0)

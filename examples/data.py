@@ -298,8 +298,8 @@ def load_nifti(image_path, label_path):
         import nibabel as nib
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("Reading NIfTI volumes needs nibabel: pip install nibabel") from exc
-    image = np.asarray(nib.load(str(image_path)).dataobj, dtype=np.float32)
-    label = np.asarray(nib.load(str(label_path)).dataobj)
+    image = _read_file(image_path, lambda p: np.asarray(nib.load(str(p)).dataobj, dtype=np.float32))
+    label = _read_file(label_path, lambda p: np.asarray(nib.load(str(p)).dataobj))
     if image.ndim == 3:
         image = image[..., None]
     if image.ndim != 4 or label.ndim < 3:
@@ -310,7 +310,26 @@ def load_nifti(image_path, label_path):
     return standardize(image, 3, nonzero=True), (label > 0).astype(np.float32)[..., None]
 
 
+class DataFileError(ValueError):
+    """A data file that cannot be read; the message names the file."""
+
+
+def _read_file(path, read):
+    """``read(path)``, with a failure turned into one error that names the file (corrupt or truncated data)."""
+    try:
+        return read(path)
+    except (ImportError, DataFileError):
+        raise
+    except Exception as err:  # noqa: BLE001 - every reader fails differently (EOFError, OSError, zlib.error, ...)
+        raise DataFileError(f"cannot read {path}: {type(err).__name__}: {err}. The file is damaged or truncated; "
+                            "replace it or remove the pair from --data-dir.") from err
+
+
 def _read_2d(path) -> np.ndarray:
+    return _read_file(path, _read_2d_unchecked)
+
+
+def _read_2d_unchecked(path) -> np.ndarray:
     if path.suffix.lower() in (".tif", ".tiff"):
         try:
             import tifffile

@@ -7,6 +7,7 @@ CSVLogger and TensorBoard with no extra code.
 from __future__ import annotations
 
 import csv
+import os
 
 import keras
 
@@ -20,7 +21,9 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
 
     Args:
         device: the device whose allocator peak is read (default: first GPU, else the CPU allocator).
-        csv_path: also append one row per epoch (or per batch) to this CSV file.
+        csv_path: also append one row per epoch (or per batch) to this CSV file (a str or path whose directory
+            exists and is writable; checked here and again when training begins). An existing non-empty file
+            is appended to without a second header.
         per_batch: reset and read the peaks around every training batch and add the keys to batch logs too.
 
     The device peak is reset at the start of each epoch (or batch) and read at its end. The host peak is the
@@ -36,7 +39,7 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
         if not isinstance(per_batch, bool):
             raise TypeError(f"per_batch must be True or False; got {per_batch!r}.")
         self.device = device
-        self.csv_path = csv_path
+        self.csv_path = None if csv_path is None else _check_csv_path(csv_path)
         self.per_batch = per_batch
         self._epoch = 0
         self._epoch_max = {}
@@ -75,9 +78,14 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
         with open(self.csv_path, "a", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=fields)
             if not self._csv_header_written:
-                writer.writeheader()
+                if fh.tell() == 0:  # appending to an earlier run's file: its header is already there
+                    writer.writeheader()
                 self._csv_header_written = True
             writer.writerow({"epoch": self._epoch, "batch": "" if batch is None else batch, **values})
+
+    def on_train_begin(self, logs=None):
+        if self.csv_path is not None:
+            _check_csv_path(self.csv_path)  # the directory may have gone since construction
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -101,6 +109,27 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
             logs.update(values)
         if self.csv_path is not None and not self.per_batch:
             self._write_csv(values, None)
+
+
+def _check_csv_path(csv_path) -> str:
+    """``csv_path`` as a str, or a clear error now instead of a failure at the end of the first epoch."""
+    if isinstance(csv_path, bool) or not isinstance(csv_path, (str, os.PathLike)):
+        raise TypeError(
+            f"csv_path must be a file path (str or pathlib.Path); got {csv_path!r} of type "
+            f"{type(csv_path).__name__}. An integer would be taken as an open file descriptor."
+        )
+    path = os.fspath(csv_path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"csv_path={path!r} is a directory; give a file name, e.g. {os.path.join(path, 'memory.csv')!r}.")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"csv_path={path!r}: the directory {directory!r} does not exist. Create it first "
+            "(os.makedirs(..., exist_ok=True)) or choose another path."
+        )
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"csv_path={path!r} is not writable; choose a path in a directory you can write to.")
+    return path
 
 
 def _across_ranks(values: dict) -> dict:

@@ -9,16 +9,60 @@ import platform
 import sys
 
 
-def _report(args) -> int:
+def _fail(message: str) -> int:
+    print(f"keras-lms: {message}", file=sys.stderr)
+    return 2
+
+
+def _parse_input_shape(text: str | None):
+    if not text:
+        return None
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise ValueError(f"--input-shape {text!r} is not a shape: give one sample's dimensions as positive integers "
+                         "separated by commas, without the batch axis, e.g. --input-shape 128,128,128,1.")
+    return dims
+
+
+def _check_writable(path: str, flag: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ValueError(f"{flag} {path!r} cannot be written: "
+                         + ("it is a directory" if os.path.isdir(path) else f"{directory!r} is not a writable directory")
+                         + f". Give a file path in an existing, writable directory, e.g. {flag} report.png.")
+
+
+def _load(path: str):
+    import zipfile
+
     import keras
 
+    import keras_lms  # noqa: F401 - registers LMSModel for loading
+
+    if path.endswith(".keras") and not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not a readable .keras file (damaged or incompletely written: a .keras file is "
+                         "a zip archive). Save the model again, or use an earlier copy.")
+    try:
+        return keras.models.load_model(path, compile=False)
+    except (OSError, KeyError, EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise ValueError(f"cannot load the model in {path}: {err}. Is it a complete .keras file written by "
+                         "model.save(...)?") from err
+
+
+def _report(args) -> int:
     import keras_lms
 
-    if not os.path.exists(args.model):
-        print(f"keras-lms: no such model file: {args.model}", file=sys.stderr)
-        return 2
-    model = keras.models.load_model(args.model, compile=False)
-    input_shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
+    if not os.path.isfile(args.model):
+        return _fail(f"no such model file: {args.model}")
+    if not args.link_gbps > 0 or args.link_gbps == float("inf"):
+        return _fail(f"--link-gbps must be a positive bandwidth in GB/s, e.g. --link-gbps 16; got {args.link_gbps:g}.")
+    input_shape = _parse_input_shape(args.input_shape)
+    if args.plot:
+        _check_writable(args.plot, "--plot")
+    model = _load(args.model)
     rep = keras_lms.report(model, batch_size=args.batch_size, input_shape=input_shape,
                            device_budget=args.budget, link_gbps=args.link_gbps)
     if args.json:
@@ -26,7 +70,10 @@ def _report(args) -> int:
     else:
         print(rep.to_text(max_rows=args.max_rows))
     if args.plot:
-        rep.plot(args.plot)
+        try:
+            rep.plot(args.plot)
+        except OSError as err:
+            return _fail(f"--plot {args.plot!r} could not be written: {err}")
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

@@ -7,6 +7,8 @@ surfacing later as a cryptic failure inside a traced training step.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 import re
 from typing import Any, Callable, Sequence, Union
 
@@ -22,6 +24,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_bytes(value, name: str) -> int:
     """Turn ``1048576``, ``"1MiB"``, ``"6GiB"`` or ``"500MB"`` into a byte count (int >= 0)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = operator.index(value)  # numpy / other integer-likes count as integers
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(
             f"{name} must be a non-negative integer number of bytes or a size string like '6GiB'; "
@@ -52,6 +56,8 @@ def format_bytes(n: float) -> str:
 
 
 def _non_negative_int(value, name: str, hint: str) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = operator.index(value)  # numpy / other integer-likes count as integers
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a non-negative integer; got {value!r} of type {type(value).__name__}. {hint}")
     if value < 0:
@@ -59,15 +65,31 @@ def _non_negative_int(value, name: str, hint: str) -> int:
     return value
 
 
+_SELECTOR_KINDS = "layer names (str), layer classes (e.g. keras.layers.Conv2D), or predicates layer -> bool"
+
+
 def _selectors(value, name: str):
     if value is None:
         return None
     items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    if not items:
+        if name == "include":
+            raise ValueError(
+                "include=[] selects no layer, so nothing would be offloaded. Use include=None (the default) to "
+                f"consider every layer, or list what to offload: {_SELECTOR_KINDS}."
+            )
+        return None  # exclude=[] excludes nothing
     for item in items:
+        layer_like = hasattr(item, "stateless_call") and not isinstance(item, type)
+        if layer_like:
+            raise TypeError(
+                f"{name} entries must be {_SELECTOR_KINDS}; got the layer object {getattr(item, 'name', item)!r}. "
+                f"Pass its name instead: {name}=[{getattr(item, 'name', '...')!r}]."
+            )
         if not (isinstance(item, (str, type)) or callable(item)):
             raise TypeError(
-                f"{name} entries must be layer names (str), layer classes, or a predicate layer -> bool; "
-                f"got {item!r} of type {type(item).__name__}."
+                f"{name} entries must be {_SELECTOR_KINDS}; got {item!r} of type {type(item).__name__}. "
+                "Layer indices are not accepted: use model.layers[i].name."
             )
     return tuple(items)
 

@@ -128,6 +128,9 @@ def ranks_on_this_node() -> int:
 class HostMemoryError(MemoryError):
     """The offload plan needs more host RAM than the machine has available."""
 
+    # Raised while a step is traced: AutoGraph would re-wrap it as a StagingError; let it through unchanged.
+    ag_pass_through = True
+
 
 def check_host_memory(host_bytes_per_step: int, headroom: float = 0.9) -> None:
     """Refuse a plan whose host bytes (times the ranks on this node) exceed ``headroom`` of available RAM.

@@ -9,12 +9,19 @@ directly, so it costs nothing.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import tempfile
+import types
 
 import keras
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms import graph, memory, planner, policy
 from keras_lms.config import LMSConfig
+
+# Training/evaluation hooks a model may override; an overridden one is run on the inner model (see train_step).
+STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
 XLA_MESSAGE = (
     "keras-lms cannot run under XLA: jit_compile=True ignores the explicit host placement that offloading "
@@ -66,6 +73,8 @@ class LMSModel(keras.Model):
         self._plans = {}
         self._last_plan = None
         self._batch_hint = None
+        self._offload_depth = 0  # > 0 while a training forward pass of the inner model is being offloaded
+        self._custom_steps = custom_step_methods(model)
         self.built = True
         if self.lms_config.device_budget is not None and self._offload.example_inputs(model, 1) is not None:
             self.plan(batch_size=1)  # a budget that not even one sample fits is refused here, not mid-fit
@@ -74,14 +83,74 @@ class LMSModel(keras.Model):
     def call(self, inputs, training=None, **kwargs):
         if not training:
             return self.inner_model(inputs, training=training, **kwargs)
+        return self._offloaded(lambda: self.inner_model(inputs, training=training, **kwargs), inputs, kwargs)
+
+    def _offloaded(self, forward, inputs, kwargs):
+        """Run ``forward()`` (a training forward pass of the inner model) with its layer calls offloaded."""
         plan = self._plan_for(inputs, kwargs)
         ctx = self._offload.StepContext(self.lms_config, self._structure, plan, eager=self._offload.executing_eagerly())
         # A back end may need a scope around the forward pass (torch: release graph intermediates early).
         forward_scope = getattr(ctx, "forward_scope", contextlib.nullcontext)
-        with adapter.patched_calls(self._structure.units, ctx.make_wrapper), forward_scope():
-            outputs = self.inner_model(inputs, training=training, **kwargs)
+        self._offload_depth += 1
+        try:
+            with adapter.patched_calls(self._structure.units, ctx.make_wrapper), forward_scope():
+                outputs = forward()
+        finally:
+            self._offload_depth -= 1
         self._last_plan = plan
         return outputs
+
+    # ------------------------------------------------------- custom train steps
+    # Note: [custom train steps]. A model that overrides ``train_step``/``compute_loss``/``test_step``/...
+    # must train exactly as it does unwrapped, so the wrapper runs the *inner model's own* methods (not
+    # Keras' defaults, which would silently ignore the override). The inner model is compiled alongside the
+    # wrapper with the same optimizer object, loss and metrics, so ``self.optimizer``, ``self.compute_loss``
+    # and ``self.metrics`` inside the user's step mean what they mean unwrapped; and while the step runs, the
+    # inner model's ``call`` is shadowed so that every training forward pass (``self(x, training=True)``) is
+    # offloaded like ``LMSModel.call``.
+    @property
+    def delegates_steps(self) -> bool:
+        """True when the inner model overrides a train/test step hook, which the wrapper then runs."""
+        return bool(self._custom_steps)
+
+    @contextlib.contextmanager
+    def _offloading_inner_calls(self):
+        inner = self.inner_model
+        original = inner.call
+
+        def offloading_call(*args, **kwargs):
+            # Keras passes training= only to a call that accepts it; inside train_step a call is training.
+            training = kwargs.get("training", True)
+            if not training or self._offload_depth > 0 or not args:  # inference, or the planning trace
+                return original(*args, **kwargs)
+            rest = {k: v for k, v in kwargs.items() if k != "training"}
+            key_kwargs = dict(rest, _extra_args=args[1:]) if len(args) > 1 else rest
+            return self._offloaded(lambda: original(*args, **kwargs), args[0], key_kwargs)
+
+        with adapter.patched_attribute(inner, "call", offloading_call):
+            yield
+
+    def train_step(self, data):
+        if not self._custom_steps:
+            return super().train_step(data)
+        with self._offloading_inner_calls():
+            return self.inner_model.train_step(data)
+
+    def test_step(self, data):
+        if not self._custom_steps:
+            return super().test_step(data)
+        return self.inner_model.test_step(data)
+
+    def predict_step(self, data):
+        if not self._custom_steps:
+            return super().predict_step(data)
+        return self.inner_model.predict_step(data)
+
+    @property
+    def metrics(self):
+        if getattr(self, "_custom_steps", None):
+            return self.inner_model.metrics  # the ones the inner model's own steps update and report
+        return super().metrics
 
     def _plan_for(self, inputs, kwargs):
         key = self._offload.signature_of(inputs, kwargs)
@@ -90,7 +159,12 @@ class LMSModel(keras.Model):
             batch = _leading_dim(inputs)
             if batch is not None and self._batch_hint is None:
                 self._batch_hint = batch
-            calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
+            kwargs = {k: v for k, v in kwargs.items() if k != "_extra_args"}
+            self._offload_depth += 1  # the trace calls the inner model: no offloading inside it
+            try:
+                calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
+            finally:
+                self._offload_depth -= 1
             plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
                                      static_bytes=self.static_bytes())
             memory.check_host_memory(policy.host_bytes_per_step(plan))
@@ -102,11 +176,28 @@ class LMSModel(keras.Model):
         return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        """``keras.Model.fit``; first notes the batch size, which Keras hides from the traced step for
-        PyDataset/generator inputs (their batch axis is traced as unknown) but the offload plan needs."""
-        hint = _batch_size_of(x, batch_size)
+        """``keras.Model.fit``; first notes the batch size that will arrive, which the offload plan needs.
+
+        Keras traces the step with an unknown batch axis for ``tf.data`` without ``drop_remainder``, Python
+        generators and PyDataset inputs; a plan sized for one sample would offload too little, report too
+        little and skip the host-memory guard. The first batch is read ahead (a generator is given back with
+        that batch re-inserted; ``tf.data`` batches are at most as large as the first). When a generator later
+        yields a larger batch, the step is re-planned (and re-checked against host memory) before the next step.
+        """
+        x, hint = _peek_batch_size(x, batch_size, self)
         if hint is not None:
             self.batch_size_hint = hint
+        if isinstance(x, types.GeneratorType):
+            bound = inspect.signature(keras.Model.fit).bind(self, x, y, batch_size, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop("self")
+            extra = arguments.pop("kwargs", {})
+            callbacks = arguments.get("callbacks") or []
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                callbacks.append(_Replan(self))
+            else:
+                arguments["callbacks"] = [*callbacks, _Replan(self)]
+            return super().fit(**arguments, **extra)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     @property
@@ -157,6 +248,13 @@ class LMSModel(keras.Model):
         if jit_compile not in ("auto", False):
             raise ValueError(f"jit_compile must be False or 'auto' for a wrapped model; got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
+        if self._custom_steps:
+            # The inner model's own steps read its compile state: give it the same optimizer object (one set of
+            # slots, shared by both), loss and metrics. See Note: [custom train steps].
+            bound = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs)
+            bound.arguments.pop("self")
+            bound.arguments["optimizer"] = self.optimizer
+            self.inner_model.compile(**bound.arguments, jit_compile=False)
 
     def compile_from_config(self, config):
         """Re-compile on load (Keras skips this for models that override ``compile``)."""
@@ -176,6 +274,59 @@ class LMSModel(keras.Model):
         self._jit_compile = False
 
     # ------------------------------------------------------------------- saving
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """``keras.Model.save``, checked before any file is opened and written atomically.
+
+        Settings that cannot be saved (a predicate in include/exclude) and the legacy ``.h5`` format (which
+        cannot store a wrapped model) are refused before anything is written. A local ``.keras`` file is
+        written to a temporary file next to it and moved into place with ``os.replace``, so an interrupted
+        save (a crash, a kill, a full disk) leaves the previous file intact.
+        """
+        path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+        if path is not None and path.endswith((".h5", ".hdf5")):
+            raise ValueError(
+                f"Cannot save the wrapped model {self.name!r} in the legacy HDF5 format ({path!r}): it cannot store "
+                "a keras-lms wrapper. Save it as '.keras' (wrapped.save('model.keras')), or save the plain model "
+                "to .h5 with keras_lms.unwrap(wrapped).save(...), or only the weights with save_weights(...)."
+            )
+        self.get_config()  # raises the clear error for unsavable settings before a file is touched
+        local = path is not None and path.endswith(".keras") and "://" not in path and zipped is not False
+        if not local or (not overwrite and os.path.exists(path)):
+            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp.keras", dir=directory)
+        os.close(fd)
+        try:
+            super().save(tmp, overwrite=True, zipped=zipped, **kwargs)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    # Note: [interchangeable weights files]. Weights files of a wrapped model use the layout of the plain
+    # model (its layers at the top, the optimizer next to them), so a ``save_weights`` file or a
+    # ``ModelCheckpoint(save_weights_only=True)`` of either loads into the other. Files written by keras-lms
+    # 0.1 (everything under ``inner_model/``) still load into a wrapped model.
+    @contextlib.contextmanager
+    def _inner_with_our_optimizer(self):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None:
+            optimizer = getattr(self.inner_model, "optimizer", None)
+        with adapter.patched_attribute(self.inner_model, "optimizer", optimizer):
+            yield self.inner_model
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """``keras.Model.save_weights`` in the layout of the plain model (interchangeable with it)."""
+        with self._inner_with_our_optimizer() as inner:
+            return inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Load weights saved by this wrapper, by another wrapper of the same model, or by the plain model."""
+        if _saved_by_wrapper_0_1(filepath):
+            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        with self._inner_with_our_optimizer() as inner:
+            return inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
     def get_config(self):
         return {
             "name": self.name,
@@ -187,6 +338,25 @@ class LMSModel(keras.Model):
     def from_config(cls, config, custom_objects=None):
         inner = keras.saving.deserialize_keras_object(config["model"], custom_objects=custom_objects)
         return cls(inner, LMSConfig.from_dict(config["lms_config"]), name=config.get("name"))
+
+
+def _saved_by_wrapper_0_1(filepath) -> bool:
+    """A ``.weights.h5`` file in the 0.1 layout of wrapped models (everything under ``inner_model/``)."""
+    path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else ""
+    if not path.endswith(".weights.h5") or not os.path.exists(path):
+        return False
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return "inner_model" in f and "layers" not in f
+    except OSError:
+        return False
+
+
+def custom_step_methods(model) -> list:
+    """The names in STEP_METHODS that ``model``'s class overrides (Keras' own models override none)."""
+    return [name for name in STEP_METHODS if getattr(type(model), name, None) is not getattr(keras.Model, name)]
 
 
 def _batch_size_of(x, batch_size):
@@ -205,6 +375,54 @@ def _batch_size_of(x, batch_size):
         return _leading_dim(spec)
     n = _leading_dim(x)
     return None if n is None else min(32, n)  # Keras' default batch size for arrays
+
+
+def _monitored(first, rest, model):
+    """Re-yields a generator's batches (the peeked first one first) and notes a batch larger than the plan's."""
+    largest = _leading_dim(first[0] if isinstance(first, tuple) else first) or 0
+    yield first
+    for batch in rest:
+        n = _leading_dim(batch[0] if isinstance(batch, tuple) else batch)
+        if n is not None and n > largest:
+            largest = n
+            if model._batch_hint is not None and n > model._batch_hint:
+                model._pending_batch_hint = n
+        yield batch
+
+
+class _Replan(keras.callbacks.Callback):
+    """Re-plans the step (new trace) when a generator yielded a batch larger than the plan's."""
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self.wrapped = wrapped
+
+    def on_train_batch_begin(self, batch, logs=None):
+        pending = getattr(self.wrapped, "_pending_batch_hint", None)
+        if pending is not None and pending > (self.wrapped._batch_hint or 0):
+            self.wrapped._pending_batch_hint = None
+            self.wrapped.batch_size_hint = pending  # clears the plans: the next trace plans for this batch
+            self.wrapped.make_train_function(force=True)
+
+
+def _peek_batch_size(x, batch_size, model):
+    """``(x, batch)``: the data to hand to Keras (a peeked generator re-assembled) and its batch size or None."""
+    hint = _batch_size_of(x, batch_size)
+    if hint is not None:
+        return x, hint
+    if isinstance(x, types.GeneratorType):
+        try:
+            first = next(x)
+        except StopIteration:
+            return x, None
+        return _monitored(first, x, model), _leading_dim(first[0] if isinstance(first, tuple) else first)
+    if hasattr(x, "element_spec") and hasattr(x, "take"):  # tf.data with an unknown batch axis
+        try:
+            first = next(iter(x.take(1)))
+        except (StopIteration, TypeError, ValueError):
+            return x, None
+        return x, _leading_dim(first[0] if isinstance(first, tuple) else first)
+    return x, None
 
 
 def _leading_dim(inputs):

@@ -127,6 +127,26 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
     if not isinstance(model_or_wrapped, keras.Model):
         raise TypeError(f"report expects a keras.Model or a wrapped model; got {type(model_or_wrapped).__name__}.")
+    if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) or not 0 < link_gbps < float("inf"):
+        raise ValueError(
+            f"link_gbps must be a positive number of GB/s (the host link's bandwidth, e.g. 16 for PCIe 4 x16); "
+            f"got {link_gbps!r}."
+        )
+    if config is not None and not isinstance(config, LMSConfig):
+        raise TypeError(
+            f"config must be a keras_lms.LMSConfig, e.g. config=keras_lms.LMSConfig(min_bytes='1MiB'); "
+            f"got {type(config).__name__}."
+        )
+    if input_shape is not None:
+        dims = list(input_shape) if isinstance(input_shape, (list, tuple)) else None
+        import numbers
+
+        if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
+            raise ValueError(
+                "input_shape must be one sample's shape without the batch axis, a tuple of positive integers "
+                f"such as (128, 128, 128, 1); got {input_shape!r}."
+            )
+        input_shape = tuple(int(d) for d in dims)
     if isinstance(model_or_wrapped, LMSModel):
         wrapped = model_or_wrapped
         config = config or wrapped.lms_config

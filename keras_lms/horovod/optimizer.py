@@ -32,6 +32,8 @@ from ._hvd import XLA_ERROR, hvd, in_xla_context, tf
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
 _COMPRESSION = {None: hvd.Compression.none, "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+# The gradient collective's name, the same on every rank (see _hvd_allreduce).
+ALLREDUCE_NAME = "keras_lms_gradients"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,10 @@ class _DistributedMixin:
             tensors.append(g)
         # IndexedSlices (sparse_as_dense=False) are allgathered by grouped_allreduce: values are divided by
         # size for Average, and duplicate indices are summed when the optimizer scatter-adds them.
-        reduced = hvd.grouped_allreduce(tensors, op=st.op, compression=st.compression)
+        # A fixed name: unnamed, Horovod names the collective after the gradient tensors, whose names embed
+        # Keras' per-process layer-name counters; ranks that built different layers would never match (hang).
+        reduced = hvd.grouped_allreduce(tensors, op=st.op, compression=st.compression,
+                                        name=ALLREDUCE_NAME, ignore_name_scope=True)
         out = list(grads)
         for i, r in zip(idx, reduced):
             out[i] = r

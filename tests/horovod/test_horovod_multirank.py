@@ -335,3 +335,18 @@ def test_failing_rank_ends_job_quickly(kind, tmp_path):
     assert rc != 0
     assert "injected failure on rank 1" in out
     assert secs < 60, f"took {secs:.1f}s"
+
+
+NAME_SKEW_WORKER = HERE / "_name_skew_worker.py"
+
+
+@pytest.mark.parametrize("kind", ["gloo", "mpi"])
+def test_layer_name_skew_across_ranks_does_not_hang(kind, tmp_path):
+    """Ranks that built different numbers of layers before the model still allreduce the same gradients."""
+    skip_unless_available(kind)
+    rc, out, secs = launch(kind, NAME_SKEW_WORKER, tmp_path, timeout=150)
+    assert rc is not None, f"{kind}: the job hung ({secs:.0f} s) when layer names differ across ranks:\n{tail(out)}"
+    assert rc == 0, f"{kind} launch failed with exit code {rc}:\n{tail(out)}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["layers"] != ranks[1]["layers"], "negative control: the layer names must differ"
+    np.testing.assert_allclose(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=1e-6)

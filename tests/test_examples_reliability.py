@@ -1,0 +1,111 @@
+"""Examples (issue 11): atomic checkpoints, --resume that explains, corrupt files named, flag messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from examples import common, data
+
+TASK3D = common.Task(name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,
+                     what="3D")
+
+
+def test_volume_zero_names_the_volume_flag(capsys):
+    with pytest.raises(SystemExit):
+        common.parse_args(TASK3D, ["--volume", "0", "--out", "/tmp"])
+    err = capsys.readouterr().err
+    assert "--volume must be >= 1" in err and "--size" not in err
+
+
+def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(SystemExit):
+        common.parse_args(TASK3D, ["--out", str(target / "run")])
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a directory" in err and "Traceback" not in err
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(SystemExit):
+            common.parse_args(TASK3D, ["--out", str(locked / "run")])
+        assert "is not writable" in capsys.readouterr().err
+
+
+def _small_model():
+    inp = keras.Input((4,))
+    return keras.Model(inp, keras.layers.Dense(1)(inp))
+
+
+def test_checkpoint_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / common.CHECKPOINT
+    model = _small_model()
+    cb = common.AtomicCheckpoint(path)
+    cb.set_model(model)
+    cb.on_epoch_end(0)
+    good = path.read_bytes()
+
+    def killed(self, filepath, *args, **kwargs):
+        with open(filepath, "wb") as fh:
+            fh.write(b"PK half")
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(keras.Model, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cb.on_epoch_end(1)
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [common.CHECKPOINT]
+
+
+def _args(*argv):
+    return common.parse_args(TASK3D, ["--volume", "16", "--depth", "2", *argv])
+
+
+def test_resume_detects_damaged_checkpoint(tmp_path):
+    args = _args("--out", str(tmp_path))
+    (tmp_path / common.CHECKPOINT).write_bytes(b"truncated")
+    (tmp_path / common.STATE).write_text(json.dumps({"epoch": 1, "args": vars(args)}))
+    with pytest.raises(common.ResumeError, match="damaged or incomplete.*Delete"):
+        common.read_state(tmp_path, args, TASK3D)
+
+
+def test_resume_refuses_other_model_flags(tmp_path):
+    saved = _args("--out", str(tmp_path))
+    _small_model().save(tmp_path / common.CHECKPOINT)
+    (tmp_path / common.STATE).write_text(json.dumps({"epoch": 1, "args": vars(saved)}))
+    assert common.read_state(tmp_path, saved, TASK3D)["epoch"] == 1
+    other = common.parse_args(TASK3D, ["--volume", "32", "--depth", "2", "--out", str(tmp_path)])
+    with pytest.raises(common.ResumeError, match="--volume 16.*asks for 32.*Use --volume 16"):
+        common.read_state(tmp_path, other, TASK3D)
+    deeper = common.parse_args(TASK3D, ["--volume", "16", "--depth", "3", "--out", str(tmp_path)])
+    with pytest.raises(common.ResumeError, match="--depth 2"):
+        common.read_state(tmp_path, deeper, TASK3D)
+
+
+def test_corrupt_png_is_named(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    good = tmp_path / "a_image.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(good)
+    bad = tmp_path / "a_label.png"
+    bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    with pytest.raises(data.DataFileError, match="cannot read .*a_label.png.*damaged or truncated"):
+        data.load_tile(good, bad)
+
+
+def test_corrupt_nifti_is_named(tmp_path):
+    nib = pytest.importorskip("nibabel")
+    img = tmp_path / "v_image.nii.gz"
+    volume = np.random.default_rng(0).random((16, 16, 16)).astype(np.float32)
+    nib.save(nib.Nifti1Image(volume, np.eye(4)), str(img))
+    bad = tmp_path / "v_label.nii.gz"
+    bad.write_bytes(img.read_bytes()[: len(img.read_bytes()) // 2])
+    with pytest.raises(data.DataFileError, match="v_label.nii.gz"):
+        data.load_nifti(img, bad)
