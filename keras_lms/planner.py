@@ -3,16 +3,32 @@
 The memory model is static and simple on purpose, so users can reason about it (and ``keras-lms report``
 shows it): a step is 2n positions (n layer calls forward, then their backward in reverse). A tensor occupies
 the device from its producer's call until its last use: its last forward consumer, or — if a consumer keeps
-it for the backward pass (not offloaded) — that consumer's backward. An offloaded input is brought back for
-its consumer's backward (``prefetch`` calls early). Each backward position also holds the gradients of the
-call's inputs and outputs and one input-sized temporary. Structural layers (Add, Concatenate, reshapes) keep
-nothing for their backward; relu-like activation layers keep their output. Static memory (weights,
-gradients, optimizer state) is added on top. ``benchmarks/report_accuracy.py`` compares the prediction with
-measured allocator peaks (docs/benchmarks.md).
+it for the backward pass (not offloaded) — that consumer's backward. What a backward keeps is what
+TensorFlow's gradient reads (``backward_reads``): nothing for structural layers (Add, Concatenate, reshapes,
+average pooling), the output for relu-like activation layers, input and output for max pooling and for
+Dense/Conv-family layers with a fused relu-like activation, the inputs otherwise. With LMS:
+
+- an offloaded input is brought back for its consumer's backward. With ``prefetch`` the copy is triggered
+  ``prefetch`` calls early but lands on the device only once it has arrived: during the trigger's backward
+  when that is a convolution or matmul (long enough to cover the copy), after it otherwise;
+- a call whose gradient reads its own output (relu-like layers; fused activations on TensorFlow) reads its
+  consumer's host copy when there is one: that swap-in is held on until the call's backward;
+- an offloaded max pooling is recomputed from its input (its output is a backward temporary).
+
+Each backward position also holds the gradients of the call's inputs and outputs, plus, for normalization
+layers, three more input-sized temporaries. Static memory (weights, gradients, optimizer state, and on
+TensorFlow the layout optimizer's copies of the optimizer slots of 5-D kernels) is added on top.
+
+Calibrated against the graph TensorFlow executes, not the graph we build: ``benchmarks/simulated_gpu_peak.py``
+schedules the grappler-optimised step on a virtual GPU and lists the buffers live at its peak; the report's
+peak is within 15% of it on the U-Nets and the ResNet there (docs/benchmarks.md). ``peak_bytes`` is that
+prediction, with no margin. The budget planner alone adds ``BUDGET_MARGIN`` to the activation peak before
+comparing with ``device_budget``: the simulation has no allocator rounding or fragmentation, no cuDNN
+workspaces, and copies back that land earlier than it schedules them.
 
 Choice: largest and longest-lived tensors first (bytes x distance to their backward use), the last layers
-stay resident (``keep_last``), until the predicted peak fits; nothing is offloaded when the step fits
-anyway; when even full offload cannot fit, the error names the largest single layer call.
+stay resident (``keep_last``), until the predicted peak (with the margin) fits; nothing is offloaded when the
+step fits anyway; when even full offload cannot fit, the error names the largest single layer call.
 """
 
 from __future__ import annotations
@@ -24,9 +40,11 @@ from keras_lms.config import format_bytes
 
 log = logging.getLogger("keras_lms")
 
-# The tensor-level model misses allocator rounding and framework temporaries: measured peaks were 9-12% above
-# it (benchmarks/report_accuracy.py). Predictions add this margin so the planner errs on the safe side.
-ACTIVATION_OVERHEAD = 1.15
+# Safety margin on the activation peak for the planner's budget decisions only (not in reported predictions):
+# allocator rounding/fragmentation, cuDNN workspaces and early copies back, which the calibration reference
+# (the simulated executed graph) does not model. CPU allocator peaks were 9-12% above the tensor-level model.
+BUDGET_MARGIN = 1.15
+ACTIVATION_OVERHEAD = BUDGET_MARGIN  # the name before the calibration against the executed graph
 
 
 @dataclasses.dataclass
@@ -42,8 +60,13 @@ class StepMemory:
 
     @property
     def peak_bytes(self) -> int:
-        """Static bytes plus the activation peak with the allocator margin (ACTIVATION_OVERHEAD)."""
-        return self.static_bytes + int(self.activation_peak_bytes * ACTIVATION_OVERHEAD)
+        """The predicted device peak: static bytes plus the activation peak (no margin)."""
+        return self.static_bytes + self.activation_peak_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the budget planner compares with ``device_budget``: the peak with BUDGET_MARGIN on activations."""
+        return self.static_bytes + int(self.activation_peak_bytes * BUDGET_MARGIN)
 
 
 class BudgetError(ValueError):
@@ -57,27 +80,73 @@ _NO_INPUT_GRAD_LAYERS = (
     "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
 )
 _OUTPUT_GRAD_ACTIVATIONS = ("relu", "sigmoid", "tanh", "elu")
+_MAX_POOLING_LAYERS = ("MaxPooling1D", "MaxPooling2D", "MaxPooling3D")
+_NORMALIZATION_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNormalization")
+_KERNEL_LAYERS = (
+    "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+    "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
+)
+# Input-sized temporaries the gradient of a normalization layer holds besides its input gradient (measured on
+# the executed graph: BatchNormalization's backward holds dy, x, dx and three more tensors of x's size).
+NORMALIZATION_TEMPORARIES = 3
+# Positions after its trigger's backward starts at which a prefetched copy back lands on the device when the
+# trigger's backward is short (not a convolution/matmul): the copy outlasts it.
+SWAP_IN_ARRIVAL = 1
+
+
+def _keras_class(unit, names) -> bool:
+    return type(unit).__name__ in names and type(unit).__module__.startswith("keras.")
+
+
+def _relu_like(unit) -> bool:
+    import keras
+
+    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") in _OUTPUT_GRAD_ACTIVATIONS:
+        return True
+    return type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold
+
+
+def _fused_output_activation(unit) -> bool:
+    """A Dense/Conv-family layer whose activation's gradient is a function of its output (relu-like)."""
+    return _keras_class(unit, _KERNEL_LAYERS) and getattr(getattr(unit, "activation", None), "__name__", "") \
+        in _OUTPUT_GRAD_ACTIVATIONS
 
 
 def backward_reads(unit) -> tuple:
-    """``(reads_inputs, reads_output)`` of the unit's gradient: what its backward pass must keep.
+    """``(reads_inputs, reads_output)`` of the unit's gradient as TensorFlow differentiates it (plain model).
 
     Structural layers (Add, Concatenate, reshapes, padding, average pooling) need no tensor values for their
-    gradient; relu/sigmoid/tanh/elu activation layers need their output, not their input. Everything else is
-    assumed to need its inputs (the conservative choice).
+    gradient; relu/sigmoid/tanh/elu activation layers need their output, not their input; max pooling and
+    Dense/Conv-family layers with a fused relu-like activation need both. Everything else is assumed to need
+    its inputs (the conservative choice).
     """
     import keras
 
-    name = type(unit).__name__
-    if name in _NO_INPUT_GRAD_LAYERS and type(unit).__module__.startswith("keras."):
+    if _keras_class(unit, _NO_INPUT_GRAD_LAYERS):
         return False, False
-    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") in _OUTPUT_GRAD_ACTIVATIONS:
-        return False, True
-    if type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
+    if _relu_like(unit):
         return False, True
     if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") == "linear":
         return False, False
+    if _keras_class(unit, _MAX_POOLING_LAYERS) or _fused_output_activation(unit):
+        return True, True
     return True, False
+
+
+def _reads_output_host_copy(unit) -> bool:
+    """Whether the wrapped backward reads the call's output from its consumer's host copy (when one exists)
+    instead of keeping it on the device: relu-like layers, and on TensorFlow fused relu-like activations
+    (keras_lms/offload/tensorflow.py). Max pooling is recomputed from its input instead."""
+    if _relu_like(unit):
+        return True
+    import keras
+
+    return _fused_output_activation(unit) and keras.backend.backend() == "tensorflow"
+
+
+def backward_temporaries(unit) -> int:
+    """Input-sized temporaries the call's gradient holds besides the gradients of its inputs and outputs."""
+    return NORMALIZATION_TEMPORARIES if _keras_class(unit, _NORMALIZATION_LAYERS) else 0
 
 
 def _tensors(calls, batch_size):
@@ -92,8 +161,13 @@ def _tensors(calls, batch_size):
     return sizes_in, sizes_out, keys_out
 
 
-def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0) -> StepMemory:
-    """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host."""
+def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
+             arrival: int = SWAP_IN_ARRIVAL) -> StepMemory:
+    """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
+
+    Calibrated against the graph TensorFlow executes (benchmarks/simulated_gpu_peak.py): see the module
+    docstring for what each call holds.
+    """
     n = len(calls)
     positions = 2 * n
     if n == 0:
@@ -103,30 +177,59 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
             info[key] = [size, i, None]
+    host_copy = {}  # key -> the first call (forward order) whose backward swaps the host copy back in
+    for i, call in enumerate(calls):
+        for key, off in zip(call.keys, offloaded[i]):
+            if off:
+                reads = backward_reads(call.unit)[0]
+                host_copy.setdefault(key, None)
+                if reads and host_copy[key] is None:
+                    host_copy[key] = i
     delta = [0] * (positions + 1)
+
+    def arrives(reader):
+        """Position from which the swap-in for ``reader``'s backward occupies the device."""
+        if prefetch <= 0:
+            return positions - 1 - reader
+        trigger = min(reader + prefetch, n - 1)
+        # the copy back takes about as long as a short (memory-bound) backward: it lands during the trigger's
+        # backward only when that is a convolution/matmul, else after it
+        start = positions - 1 - trigger + (0 if _keras_class(calls[trigger].unit, _KERNEL_LAYERS) else arrival)
+        return min(start, positions - 1 - reader)
+
+    def hold(size, start, end):  # on the device from position start to end, inclusive
+        delta[start] += size
+        delta[end + 1] -= size
+
     for i, call in enumerate(calls):
         backward = positions - 1 - i
         reads_inputs, reads_output = backward_reads(call.unit)
-        if reads_output and not any(offloaded[i]):  # a plain activation keeps its output for its backward
-            for key in keys_out[i]:
-                info[key][2] = max(info[key][2] or 0, backward)
+        if reads_output:
+            for key, size in zip(keys_out[i], sizes_out[i]):
+                if key in host_copy and _reads_output_host_copy(call.unit):
+                    # read from the consumer's host copy: the swap-in of its first reader (in forward order, so
+                    # the last backward before this one) is held on until this call's backward; without a
+                    # reader, this call brings it back itself (prefetch calls early)
+                    reader = host_copy[key]
+                    start = positions - reader if reader is not None else arrives(i)
+                    hold(size, start, backward)
+                elif not (any(offloaded[i]) and _keras_class(call.unit, _MAX_POOLING_LAYERS)):
+                    info[key][2] = max(info[key][2] or 0, backward)  # kept on the device for this backward
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             entry = info.setdefault(key, [size, 0, None])  # a model input exists from the start
             last_use = backward if (reads_inputs and not off) else i  # else freed after its forward use
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
             if off and reads_inputs:  # swapped in for this call's backward, prefetch calls early
-                start = positions - 1 - min(i + prefetch, n - 1)
-                delta[start] += size
-                delta[backward + 1] -= size
-        # while its backward runs: the gradients of its outputs and inputs, and one input-sized temporary
-        # (convolution and BatchNorm gradients allocate one)
-        grads = 2 * sum(sizes_in[i]) + sum(sizes_out[i])
-        delta[backward] += grads
-        delta[backward + 1] -= grads
+                hold(size, arrives(i), backward)
+        # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
+        # (normalization), and the recomputed output of an offloaded max pooling
+        grads = sum(sizes_in[i]) * (1 + backward_temporaries(call.unit)) + sum(sizes_out[i])
+        if any(offloaded[i]) and _keras_class(call.unit, _MAX_POOLING_LAYERS):
+            grads += sum(sizes_out[i])
+        hold(grads, backward, backward)
     for size, start, end in info.values():
         end = n if end is None else end  # model outputs live until the loss's backward starts
-        delta[start] += size
-        delta[end + 1] -= size
+        hold(size, start, end)
     timeline, running = [], 0
     for pos in range(positions):
         running += delta[pos]
@@ -135,17 +238,20 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
 
 
 def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
-    """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``."""
+    """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``.
+
+    Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
+    """
     from keras_lms.policy import CallDecision
 
     budget = config.device_budget
     none = [[False] * len(d.offload_tensor) for d in decisions]
     plain = simulate(calls, none, batch_size, config.prefetch, static_bytes)
-    if plain.peak_bytes <= budget:
+    if plain.budget_bytes <= budget:
         log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
-                 format_bytes(plain.peak_bytes), format_bytes(budget))
+                 format_bytes(plain.budget_bytes), format_bytes(budget))
         reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
-                  f"(predicted {format_bytes(plain.peak_bytes)})")
+                  f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
         return [CallDecision(list(row), reason) for row in none]
     sizes_in, _, _ = _tensors(calls, batch_size)
     n = len(calls)
@@ -157,21 +263,22 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
     for i in candidates:
         chosen[i] = list(decisions[i].offload_tensor)
         memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes)
-        if memory.peak_bytes <= budget:
+        if memory.budget_bytes <= budget:
             break
-    if memory.peak_bytes > budget:
+    if memory.budget_bytes > budget:
         sizes_out = _tensors(calls, batch_size)[1]
         largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
         need = sum(sizes_in[largest]) + sum(sizes_out[largest])
         raise BudgetError(
             f"device_budget {format_bytes(budget)} cannot be met: with every eligible tensor offloaded the step is "
-            f"predicted to need {format_bytes(memory.peak_bytes)} ({format_bytes(static_bytes)} of weights, "
+            f"predicted to need {format_bytes(memory.budget_bytes)} with the planner's margin "
+            f"({format_bytes(static_bytes)} of weights, "
             f"gradients and optimizer state). The largest single layer call is {calls[largest].unit.name!r} "
             f"({format_bytes(need)} for its inputs and outputs at batch size {batch_size}). Use a smaller batch "
             "or input, a larger budget, or lower min_bytes/keep_last."
         )
     log.info("keras-lms: offloading %d of %d layer calls to fit device_budget %s (predicted peak %s).",
-             sum(any(r) for r in chosen), n, format_bytes(budget), format_bytes(memory.peak_bytes))
+             sum(any(r) for r in chosen), n, format_bytes(budget), format_bytes(memory.budget_bytes))
     out = []
     for i, d in enumerate(decisions):
         if any(chosen[i]):
@@ -184,11 +291,15 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
 
 
 def static_bytes(model, optimizer=None, default_slots: int = 2) -> int:
-    """Weights + gradients + optimizer state, in bytes.
+    """Weights + gradients + optimizer state, in bytes (+ the layout copies below, on TensorFlow).
 
     Optimizer state is read from a built optimizer; otherwise ``default_slots`` copies of the trainable
-    weights are assumed (Adam keeps two).
+    weights are assumed (Adam keeps two). On TensorFlow, grappler's layout optimizer (on a GPU) also keeps a
+    channels-first copy of the optimizer slots of every 5-D (Conv3D-family) kernel from the start of the step
+    to its update: seen on the executed graph as ``adam/Sub_*-TransposeNDHWCToNCDHW-LayoutOptimizer`` buffers
+    that live the whole step (benchmarks/simulated_gpu_peak.py).
     """
+    import keras
     import numpy as np
 
     def nbytes(v):
@@ -196,8 +307,13 @@ def static_bytes(model, optimizer=None, default_slots: int = 2) -> int:
 
     weights = sum(nbytes(v) for v in model.variables)
     trainable = sum(nbytes(v) for v in model.trainable_variables)
+    five_d = sum(nbytes(v) for v in model.trainable_variables if len(v.shape) == 5)
     if optimizer is not None and getattr(optimizer, "built", False):
         opt_state = sum(nbytes(v) for v in optimizer.variables)
+        layout = sum(nbytes(v) for v in optimizer.variables if len(v.shape) == 5)
     else:
         opt_state = default_slots * trainable
-    return weights + trainable + opt_state
+        layout = default_slots * five_d
+    if keras.backend.backend() != "tensorflow":
+        layout = 0
+    return weights + trainable + opt_state + layout

@@ -87,10 +87,9 @@ class ActivationReport:
         n = len(self.plain.timeline) // 2
         xs = range(len(self.plain.timeline))
         fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
-        k = planner.ACTIVATION_OVERHEAD
-        ax.plot(xs, [(self.plain.static_bytes + v * k) / mib for v in self.plain.timeline], label="plain",
+        ax.plot(xs, [(self.plain.static_bytes + v) / mib for v in self.plain.timeline], label="plain",
                 color="tab:red")
-        ax.plot(xs, [(self.wrapped.static_bytes + v * k) / mib for v in self.wrapped.timeline],
+        ax.plot(xs, [(self.wrapped.static_bytes + v) / mib for v in self.wrapped.timeline],
                 label="with keras-lms", color="tab:blue")
         ax.axhline(self.plain.static_bytes / mib, color="gray", lw=0.8, ls=":", label="weights+grads+optimizer")
         if self.device_budget is not None:
