@@ -461,7 +461,8 @@ def make_callbacks(args, rt: Runtime, out: pathlib.Path, history: list, resumed:
             callbacks.append(rt.hvd.LearningRateWarmupCallback(initial_lr=args.lr * rt.size, warmup_epochs=warmup))
     if args.lr_schedule == "cosine":
         callbacks.append(keras.callbacks.LearningRateScheduler(cosine_schedule(args.lr * rt.size, warmup, args.epochs)))
-    callbacks += [keras_lms.MemoryHighWaterMark(), Throughput(args.batch_size * rt.size)]
+    # across_ranks: every rank runs this callback, so it may allgather (the summary reports the max over ranks).
+    callbacks += [keras_lms.MemoryHighWaterMark(across_ranks=rt.hvd is not None), Throughput(args.batch_size * rt.size)]
     if rt.is_root:
         callbacks += [
             keras.callbacks.CSVLogger(str(out / "training_log.csv"), append=resumed),

@@ -25,22 +25,32 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
             exists and is writable; checked here and again when training begins). An existing non-empty file
             is appended to without a second header.
         per_batch: reset and read the peaks around every training batch and add the keys to batch logs too.
+        across_ranks: under Horovod with more than one rank, also log ``<key>_min`` / ``<key>_max`` over all
+            ranks. This runs an allgather at every reading, so *every* rank must have the callback (not inside
+            ``keras_lms.horovod.rank0_only``, which refuses it). Default False: each rank logs only its own
+            readings and the callback runs no collective, so it is safe wherever it is placed.
 
     The device peak is reset at the start of each epoch (or batch) and read at its end. The host peak is the
     process's RSS high-water mark over the same span (Linux). ``offloaded_mib`` is the host memory the
-    wrapped model's plan moves per step (0 for an unwrapped model). Under Horovod with more than one rank,
-    every rank measures its own device and ``<key>_min`` / ``<key>_max`` over ranks are added.
+    wrapped model's plan moves per step (0 for an unwrapped model). Under Horovod every rank measures its own
+    device; with ``across_ranks=True`` the min/max over ranks are added.
     """
 
-    def __init__(self, device: str | None = None, csv_path=None, per_batch: bool = False):
+    def __init__(self, device: str | None = None, csv_path=None, per_batch: bool = False,
+                 across_ranks: bool = False):
         super().__init__()
         if device is not None and not isinstance(device, str):
             raise TypeError(f"device must be a device string such as 'GPU:0'; got {device!r}.")
         if not isinstance(per_batch, bool):
             raise TypeError(f"per_batch must be True or False; got {per_batch!r}.")
+        if not isinstance(across_ranks, bool):
+            raise TypeError(f"across_ranks must be True or False; got {across_ranks!r}.")
         self.device = device
         self.csv_path = None if csv_path is None else _check_csv_path(csv_path)
         self.per_batch = per_batch
+        self.across_ranks = across_ranks
+        # Read by keras_lms.horovod.rank0_only: a callback that runs a collective must be on every rank.
+        self._hvd_collective = across_ranks
         self._epoch = 0
         self._epoch_max = {}
         self._csv_header_written = False
@@ -62,7 +72,8 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
             "peak_host_rss_mib": memory.host_peak_rss_bytes() / memory.MIB,
             "offloaded_mib": offloaded / memory.MIB,
         }
-        values.update(_across_ranks(values))
+        if self.across_ranks:
+            values.update(_across_ranks(values))
         return values
 
     def _record(self, logs, batch=None, values=None):
@@ -133,7 +144,7 @@ def _check_csv_path(csv_path) -> str:
 
 
 def _across_ranks(values: dict) -> dict:
-    """min/max of each value over Horovod ranks (collective: every rank's callback calls it)."""
+    """min/max of each value over Horovod ranks (a collective: only with ``across_ranks=True``, on every rank)."""
     hvd = memory.initialized_horovod()
     if hvd is None or hvd.size() < 2:
         return {}

@@ -27,6 +27,8 @@ fi
 export OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1
 # The demo is a CPU demo (reproducible on any machine): GPUs are hidden.
 export TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=tensorflow CUDA_VISIBLE_DEVICES=""
+# CPU allocator statistics for peak_device_mib (TensorFlow keeps them only on NUMA machines by default).
+export TF_CPU_ALLOCATOR_USE_BFC=true
 export PYTHONUNBUFFERED=1
 # horovodrun starts the ranks through PATH lookups of `python`: use the venv's.
 export PATH="$BIN:$PATH"

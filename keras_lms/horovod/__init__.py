@@ -14,6 +14,11 @@ Usage (launch with ``horovodrun -np N python train.py`` or ``mpirun -np N python
     callbacks += lhvd.rank0_only([keras.callbacks.ModelCheckpoint("ckpt.keras")])
     model.fit(shard_of_data, callbacks=callbacks, verbose=lhvd.fit_verbose(1))
 
+Horovod's Keras names are here too (``allreduce``, ``allgather``, ``broadcast``, ``reducescatter``,
+``Average``/``Sum``/``Adasum``, ``Compression``, ``ProcessSet``, ``shutdown``, ``cross_rank``, timelines,
+``PartialDistributedOptimizer``, ``BestModelCheckpoint``), with Horovod's argument order, so a Horovod Keras
+script runs with ``import keras_lms.horovod as hvd``; docs/horovod.md lists what deliberately differs.
+
 Why not ``horovod.tensorflow.keras``: on Keras 3 its DistributedOptimizer silently skips the averaging
 (Keras 3 calls ``optimizer.apply`` directly) and its callbacks raise. This package is built only on
 ``horovod.tensorflow`` core ops. See docs/horovod.md.
@@ -24,15 +29,47 @@ Importing it without a working Horovod raises ImportError naming ``make install`
 
 from ._hvd import _INSTALL_HINT  # noqa: F401  (raises ImportError with install instructions first)
 from .callbacks import (
+    BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
     broadcast_variables,
 )
-from .optimizer import DistributedOptimizer, is_distributed, load_model
+from .ops import (
+    Adasum,
+    Average,
+    Compression,
+    ProcessSet,
+    Sum,
+    add_process_set,
+    allgather,
+    allreduce,
+    broadcast,
+    broadcast_global_variables,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    global_process_set,
+    is_initialized,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    reducescatter,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    start_timeline,
+    stop_timeline,
+)
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed, load_model
 from .runtime import (
     HorovodInfo,
+    cross_rank,
+    cross_size,
     fit_verbose,
     info,
     init,
@@ -45,22 +82,53 @@ from .runtime import (
 )
 
 __all__ = [
+    "Adasum",
+    "Average",
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
+    "Compression",
     "DistributedOptimizer",
     "HorovodInfo",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
     "MetricAverageCallback",
+    "PartialDistributedOptimizer",
+    "ProcessSet",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "broadcast_global_variables",
     "broadcast_variables",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
     "fit_verbose",
+    "gloo_built",
+    "gloo_enabled",
+    "global_process_set",
     "info",
     "init",
     "is_distributed",
+    "is_initialized",
     "is_root",
     "load_model",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
     "rank0_only",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]

@@ -58,6 +58,8 @@ def _tf_runtime_initialized() -> bool:
 
 
 def init(
+    comm=None,
+    process_sets=None,
     *,
     pin_gpu: bool = True,
     memory_growth: bool = True,
@@ -68,8 +70,9 @@ def init(
 
     What it does, in order (each step only if the user has not already decided it):
 
-    1. ``hvd.init()`` (no-op if already initialised). Controller: MPI under ``mpirun``/``horovodrun --mpi``,
-       Gloo under ``horovodrun --gloo``; plain ``python`` gives a single rank of size 1.
+    1. ``hvd.init(comm, process_sets)`` (no-op if already initialised). Controller: MPI under
+       ``mpirun``/``horovodrun --mpi``, Gloo under ``horovodrun --gloo``; plain ``python`` gives a single rank
+       of size 1. ``comm`` and ``process_sets`` are Horovod's (``process_sets=[ProcessSet([0, 1]), ...]``).
     2. GPUs present and ``pin_gpu``: ``tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")``
        and, if ``memory_growth``, ``tf.config.experimental.set_memory_growth(gpu, True)``.
     3. ``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (TensorFlow's limit for pinned host memory used for device<->host
@@ -87,10 +90,12 @@ def init(
         :class:`HorovodInfo` with ranks, the controller, and exactly what was set.
     """
     global _INFO
-    if not hvd.is_initialized():
-        hvd.init()
     notes: list[str] = []
     env_set: dict[str, str] = {}
+    if not hvd.is_initialized():
+        hvd.init(comm=comm, process_sets=process_sets)
+    elif process_sets:
+        notes.append("Horovod was already initialised: process_sets were not added (use add_process_set)")
     lrank, lsize = hvd.local_rank(), hvd.local_size()
     already = _tf_runtime_initialized()
 
@@ -196,6 +201,18 @@ def is_root(root_rank: int = 0) -> bool:
     return rank() == root_rank
 
 
+def cross_rank() -> int:
+    """This host's index among the hosts of the job (Horovod's ``cross_rank``)."""
+    _check()
+    return hvd.cross_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts with a rank of the same local rank as this one (Horovod's ``cross_size``)."""
+    _check()
+    return hvd.cross_size()
+
+
 def rank0_only(callbacks: Iterable | None, root_rank: int = 0) -> list:
     """Return ``list(callbacks)`` on the root rank and ``[]`` on every other rank.
 
@@ -206,8 +223,21 @@ def rank0_only(callbacks: Iterable | None, root_rank: int = 0) -> list:
         callbacks += lhvd.rank0_only([keras.callbacks.ModelCheckpoint(...), keras.callbacks.CSVLogger(...)])
 
     Put them *after* MetricAverageCallback so they see averaged metrics.
+
+    A callback that runs a Horovod collective (``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
+    ``keras_lms.MemoryHighWaterMark(across_ranks=True)``) must run on every rank, or rank 0 waits forever for
+    the others: such a callback is refused here, with a ``ValueError`` on every rank.
     """
-    return list(callbacks or []) if is_root(root_rank) else []
+    callbacks = list(callbacks or [])
+    collective = [type(cb).__name__ for cb in callbacks if getattr(cb, "_hvd_collective", False)]
+    if collective:
+        raise ValueError(
+            f"rank0_only() got {', '.join(collective)}, which run(s) a collective across all ranks; on rank 0 "
+            "alone it would wait forever for the others. Pass it to fit() on every rank (outside rank0_only)"
+            + (", or use MemoryHighWaterMark() without across_ranks=True to log each rank's own memory"
+               if "MemoryHighWaterMark" in collective else "") + "."
+        )
+    return callbacks if is_root(root_rank) else []
 
 
 def fit_verbose(verbose: int | str = "auto", root_rank: int = 0) -> int | str:

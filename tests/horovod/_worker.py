@@ -20,6 +20,7 @@ import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # start_timeline()/stop_timeline() in api_parity
 
 import numpy as np  # noqa: E402
 
@@ -28,7 +29,10 @@ import keras  # noqa: E402
 import keras_lms.horovod as lhvd  # noqa: E402
 
 OUT = sys.argv[1]
-INFO = lhvd.init()
+_LAUNCHED = int(os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+# One process set per rank (a set equal to the global one is refused by Horovod), for the process_sets scenario.
+PROCESS_SETS = [lhvd.ProcessSet([r]) for r in range(_LAUNCHED)] if _LAUNCHED == 2 else None
+INFO = lhvd.init(process_sets=PROCESS_SETS)
 R, S = lhvd.rank(), lhvd.size()
 RESULTS: dict = {"info": INFO.as_dict(), "errors": {}}
 
@@ -109,6 +113,10 @@ class Recorder(keras.callbacks.Callback):
         self.logs.append({k: float(np.asarray(v)) for k, v in (logs or {}).items()})
 
 
+def maxdiff_list(a, b) -> float:
+    return float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(a, b)))
+
+
 def reference_fit(make, x, y, batch, epochs=EPOCHS, opt=None):
     m = make(0)
     m.compile(opt or sgd(), "mse")
@@ -142,15 +150,23 @@ def equivalence():
 
 @scenario
 def backward_passes():
-    """backward_passes_per_step=2 on S ranks x batch B/2 == one process with batch S*B (same update count)."""
+    """backward_passes_per_step=2 on S ranks x batch B/2 == one process with batch S*B (same update count).
+
+    Explicit mean + per-update counting, and Horovod's defaults (sum, every pass counted)."""
     b = B // 2
-    m = dense_model(0)
-    m.compile(lhvd.DistributedOptimizer(sgd(), backward_passes_per_step=2), "mse")
-    # Each rank's two consecutive micro-batches form its half of a global batch of S*B.
-    m.fit(shard(X, b=B), shard(Y, b=B), batch_size=b, epochs=EPOCHS, shuffle=False, verbose=0)
-    return {"final": flat(m.get_weights()), "reference": reference_fit(dense_model, X, Y, S * B),
-            "iterations": int(m.optimizer.iterations.numpy()), "expected_iterations": EPOCHS * N // (S * B),
-            "n_optimizer_variables": len(m.optimizer.variables)}
+    out = {}
+    for label, kwargs, lr in [("mean_per_update", dict(average_aggregated_gradients=True, iterations="per_update"), LR),
+                              ("defaults", {}, LR / 2)]:
+        m = dense_model(0)
+        m.compile(lhvd.DistributedOptimizer(sgd(lr), backward_passes_per_step=2, **kwargs), "mse")
+        # Each rank's two consecutive micro-batches form its half of a global batch of S*B.
+        m.fit(shard(X, b=B), shard(Y, b=B), batch_size=b, epochs=EPOCHS, shuffle=False, verbose=0)
+        out[label] = {"final": flat(m.get_weights()), "iterations": int(m.optimizer.iterations.numpy()),
+                      "n_optimizer_variables": len(m.optimizer.variables)}
+    # The sum of two micro-batch means at lr/2 is one global-batch mean at lr.
+    out.update(reference=reference_fit(dense_model, X, Y, S * B), updates=EPOCHS * N // (S * B),
+               passes=2 * EPOCHS * N // (S * B))
+    return out
 
 
 @scenario
@@ -158,15 +174,21 @@ def other_optimizers():
     """Adam, and SGD inside a LossScaleOptimizer, match their single-process references too."""
     out = {}
     makers = {
-        "adam": lambda: keras.optimizers.Adam(0.01),
-        "loss_scale_sgd": lambda: keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=2.0 ** 8),
-        "sgd_clipnorm": lambda: keras.optimizers.SGD(LR, momentum=0.9, global_clipnorm=0.5),
+        "adam": (lambda: keras.optimizers.Adam(0.01), {}),
+        "loss_scale_sgd": (lambda: keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=2.0 ** 8), {}),
+        "sgd_clipnorm": (lambda: keras.optimizers.SGD(LR, momentum=0.9, global_clipnorm=0.5), {}),
+        # Horovod's grouping and split averaging: same result, different collectives.
+        "groups_2": (sgd, dict(groups=2)),
+        "num_groups_3": (sgd, dict(num_groups=3)),
+        "predivide_2": (sgd, dict(gradient_predivide_factor=2.0)),
+        "sum_half_lr": (lambda: sgd(LR / S), dict(op=lhvd.Sum)),
     }
-    for label, make in makers.items():
+    for label, (make, kwargs) in makers.items():
         m = dense_model(0)
-        m.compile(lhvd.DistributedOptimizer(make()), "mse")
+        m.compile(lhvd.DistributedOptimizer(make(), **kwargs), "mse")
         m.fit(shard(X), shard(Y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
-        out[label] = {"final": flat(m.get_weights()), "reference": reference_fit(dense_model, X, Y, S * B, opt=make()),
+        ref_opt = sgd() if label == "sum_half_lr" else make()
+        out[label] = {"final": flat(m.get_weights()), "reference": reference_fit(dense_model, X, Y, S * B, opt=ref_opt),
                       "class": type(m.optimizer).__name__, "distributed": lhvd.is_distributed(m.optimizer)}
     return out
 
@@ -357,6 +379,20 @@ def saving():
     m.save(path)
     plain = keras.saving.load_model(path)
     rewrapped = lhvd.load_model(path)
+    # Horovod's load_model order: custom_optimizers (a list of classes) second; a dict there is refused.
+    class MySGD(keras.optimizers.SGD):
+        pass
+
+    mc = dense_model(0)
+    mc.compile(lhvd.DistributedOptimizer(MySGD(0.01)), "mse")
+    cpath = os.path.join(OUT, "custom.keras")
+    mc.save(cpath)
+    custom = lhvd.load_model(cpath, [MySGD])
+    try:
+        lhvd.load_model(cpath, {"MySGD": MySGD})
+        dict_error = None
+    except TypeError as exc:
+        dict_error = str(exc)
     inner = sgd()
     return {
         "config": opt.get_config(),
@@ -369,7 +405,164 @@ def saving():
         "weights_equal": bool(np.array_equal(flat(plain.get_weights()), flat(m.get_weights()))),
         "is_sgd": isinstance(opt, keras.optimizers.SGD),
         "plain_sgd_config_keys": sorted(inner.get_config()),
+        "custom_loaded": [type(custom.optimizer).__name__, isinstance(custom.optimizer, MySGD),
+                          lhvd.is_distributed(custom.optimizer)],
+        "dict_error": dict_error,
     }
+
+
+@scenario
+def memory_callback_placement():
+    """Issue 11 item 7: MemoryHighWaterMark inside rank0_only (where loggers go) must not hang."""
+    import keras_lms
+
+    m = dense_model(0)
+    m.compile(lhvd.DistributedOptimizer(sgd()), "mse")
+    cbs = [lhvd.BroadcastGlobalVariablesCallback(0)] + lhvd.rank0_only([keras_lms.MemoryHighWaterMark()])
+    h = m.fit(shard(X), shard(Y), batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=cbs)
+    m2 = dense_model(0)
+    m2.compile(lhvd.DistributedOptimizer(sgd()), "mse")
+    h2 = m2.fit(shard(X), shard(Y), batch_size=B, epochs=1, shuffle=False, verbose=0,
+                callbacks=[keras_lms.MemoryHighWaterMark(across_ranks=True)])
+    try:
+        lhvd.rank0_only([keras_lms.MemoryHighWaterMark(across_ranks=True)])
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"rank0_only_keys": sorted(h.history), "across_keys": sorted(h2.history), "refused": refused,
+            "rss": h2.history["peak_host_rss_mib"][-1], "rss_max": h2.history.get("peak_host_rss_mib_max", [None])[-1]}
+
+
+HOROVOD_KERAS_NAMES = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size",
+    "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "nccl_built",
+    "ddl_built", "ccl_built", "cuda_built", "rocm_built", "Average", "Sum", "Adasum", "Compression",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
+    "broadcast", "reducescatter", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+    "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint",
+]
+
+
+@scenario
+def api_parity():
+    """Issue 12 item 3: Horovod's Keras names, signatures and collectives on values."""
+    import inspect
+
+    import tensorflow as tf
+
+    out = {"missing": [n for n in HOROVOD_KERAS_NAMES if not hasattr(lhvd, n)]}
+    out["allreduce_average"] = float(lhvd.allreduce(float(R + 1), name="t_average").numpy())
+    out["allreduce_sum"] = lhvd.allreduce([float(R + 1), 1.0], op=lhvd.Sum, name="t_sum").numpy().tolist()
+    out["allreduce_fp16"] = float(lhvd.allreduce(np.float32(R + 1), compression=lhvd.Compression.fp16,
+                                                 name="t_fp16").numpy())
+    out["allgather"] = lhvd.allgather(np.full((R + 1, 2), R, "int32"), name="t_gather").numpy().tolist()
+    out["broadcast"] = float(lhvd.broadcast(10.0 * (R + 1), 0, name="t_bcast").numpy())
+    out["reducescatter"] = lhvd.reducescatter(np.arange(4, dtype="float32") * (R + 1), op=lhvd.Sum,
+                                              name="t_rs").numpy().tolist()
+    out["is_initialized"] = lhvd.is_initialized()
+    out["cross"] = [lhvd.cross_rank(), lhvd.cross_size()]
+    timeline = os.path.join(OUT, "timeline.json")
+    lhvd.start_timeline(timeline)
+    lhvd.allreduce(1.0, name="t_timeline")
+    lhvd.stop_timeline()
+    out["timeline_bytes"] = os.path.getsize(timeline) if os.path.exists(timeline) else 0
+    try:
+        lhvd.broadcast_global_variables(0)
+        out["bgv_error"] = None
+    except RuntimeError as exc:
+        out["bgv_error"] = str(exc)
+    # Positional order and defaults of Horovod 0.28.1 (horovod.tensorflow.keras), where Horovod imports.
+    ours = {n: list(inspect.signature(getattr(lhvd, n)).parameters) for n in (
+        "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "allreduce", "allgather", "broadcast",
+        "reducescatter")}
+    ours.update({n: list(inspect.signature(getattr(lhvd, n).__init__).parameters)[1:] for n in (
+        "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+        "LearningRateWarmupCallback", "BestModelCheckpoint")})
+    out["signatures"] = ours
+    opt = lhvd.DistributedOptimizer(sgd(), "my_gradients")
+    st = opt._hvd_settings
+    out["named"] = st.name
+    out["defaults"] = [st.average_aggregated_gradients, st.iterations, st.op == lhvd.Average]
+    try:
+        lhvd.DistributedOptimizer(sgd(), 2)
+        out["positional_int_error"] = None
+    except TypeError as exc:
+        out["positional_int_error"] = str(exc)
+    return out
+
+
+@scenario
+def local_variables():
+    """register_local_var / PartialDistributedOptimizer / BroadcastGlobalVariablesCallback(local_variables=).
+
+    One SGD step (no momentum) on rank-specific data from rank-specific weights of the last layer: the first
+    layer is broadcast and averaged (identical on all ranks), the last keeps its own weights and gets its own
+    gradient divided by the number of ranks (scale_local_gradients=True, Horovod's default) or not."""
+    import tensorflow as tf
+
+    out = {}
+    xb, yb = shard(X)[:B], shard(Y)[:B] + R  # different data per rank
+    for label in ("register", "partial", "partial_unscaled"):
+        m = dense_model(0)
+        last = m.layers[-1]
+        last.set_weights([w + 0.1 * (R + 1) for w in last.get_weights()])  # rank-specific local weights
+        if label == "register":
+            opt = lhvd.DistributedOptimizer(keras.optimizers.SGD(LR))
+            for v in last.trainable_weights:
+                opt.register_local_var(v)
+        else:
+            opt = lhvd.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=[last],
+                                                   scale_local_gradients=label == "partial")
+        m.compile(opt, "mse")
+        start = [w.copy() for w in last.get_weights()]
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(yb, m(xb, training=True))
+        grads = tape.gradient(loss, last.trainable_weights)
+        scale = 1.0 / S if label != "partial_unscaled" else 1.0
+        expected = [w - LR * scale * np.asarray(g) for w, g in zip(start, grads)]
+        m.fit(xb, yb, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[lhvd.BroadcastGlobalVariablesCallback(0, local_variables=last.trainable_weights)])
+        out[label] = {"shared": digest(m.layers[1].get_weights()), "local": digest(last.get_weights()),
+                      "local_error": maxdiff_list(last.get_weights(), expected)}
+    return out
+
+
+
+@scenario
+def process_sets():
+    """DistributedOptimizer(process_set=...) reduces only within the set: with one set per rank, each rank
+    trains alone and matches plain single-process training on its own shard."""
+    if PROCESS_SETS is None:
+        return {"skipped": "needs 2 ranks"}
+    mine = PROCESS_SETS[R]
+    m = dense_model(0)
+    m.compile(lhvd.DistributedOptimizer(sgd(), process_set=mine), "mse")
+    m.fit(shard(X), shard(Y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+    own = reference_fit(dense_model, shard(X), shard(Y), B)
+    return {"final": flat(m.get_weights()), "own_reference": own, "set_ranks": mine.ranks,
+            "included": mine.included()}
+
+
+@scenario
+def best_checkpoint_and_device():
+    """BestModelCheckpoint writes on rank 0 only; device= on the collective callbacks; a missing path is an
+    error at train begin (before any collective)."""
+    m = dense_model(0)
+    m.compile(lhvd.DistributedOptimizer(sgd(0.01)), "mse")
+    path = os.path.join(OUT, f"best_{R}.keras")
+    h = m.fit(shard(X), shard(Y), batch_size=B, epochs=2, shuffle=False, verbose=0, validation_data=(X[:16], Y[:16]),
+              callbacks=[lhvd.BroadcastGlobalVariablesCallback(0, device="/cpu:0"),
+                         lhvd.MetricAverageCallback(device="/cpu:0"),
+                         lhvd.BestModelCheckpoint(monitor="val_loss", filepath=path)])
+    try:
+        m.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, callbacks=[lhvd.BestModelCheckpoint()])
+        missing = None
+    except ValueError as exc:
+        missing = str(exc)
+    loaded = keras.saving.load_model(path) if os.path.exists(path) else None
+    return {"written": os.path.exists(path), "val_loss": h.history["val_loss"], "missing_path_error": missing,
+            "loads": loaded is not None}
 
 
 RESULTS["rank"], RESULTS["size"] = R, S

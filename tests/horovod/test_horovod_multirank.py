@@ -89,12 +89,14 @@ def skip_unless_available(kind: str) -> None:
             pytest.skip("Horovod built without MPI (rerun scripts/install_horovod.sh after installing OpenMPI)")
 
 
-def launch(kind: str, script: Path, outdir: Path, timeout: float) -> tuple[int | None, str, float]:
+def launch(kind: str, script: Path, outdir: Path, timeout: float, env: dict | None = None
+           ) -> tuple[int | None, str, float]:
     """Run a launcher in its own process group; on timeout kill the group. Returns (rc or None, output, s)."""
     outdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(launcher_command(kind, script, outdir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=rank_env(), cwd=REPO, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env={**rank_env(), **(env or {})}, cwd=REPO,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -186,12 +188,16 @@ def test_weights_identical_across_ranks_after_every_epoch(run):
 
 
 def test_backward_passes_per_step(run):
+    """Explicit mean + per-update counting, and Horovod's defaults: the sum, and `iterations` counting every
+    pass (issue 12: Horovod counts 1..N per pass; we counted applied updates only)."""
     res = scenario(run, "backward_passes")
     for r in res:
-        assert maxdiff(r["final"], r["reference"]) < TOL
-        assert r["iterations"] == r["expected_iterations"]
-        assert r["n_optimizer_variables"] == 6  # iterations, lr, 4 momentums: accumulators are not tracked
-    assert all(r["final"] == res[0]["final"] for r in res)
+        for label in ("mean_per_update", "defaults"):
+            assert maxdiff(r[label]["final"], r["reference"]) < TOL, label
+            assert r[label]["n_optimizer_variables"] == 6  # iterations, lr, 4 momentums: accumulators untracked
+        assert r["mean_per_update"]["iterations"] == r["updates"]
+        assert r["defaults"]["iterations"] == r["passes"]
+    assert all(r["defaults"]["final"] == res[0]["defaults"]["final"] for r in res)
 
 
 def test_other_optimizers(run):
@@ -350,3 +356,147 @@ def test_layer_name_skew_across_ranks_does_not_hang(kind, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["layers"] != ranks[1]["layers"], "negative control: the layer names must differ"
     np.testing.assert_allclose(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=1e-6)
+
+
+STEPS_WORKER = HERE / "_steps_worker.py"
+
+
+def test_different_batch_counts_fail_fast_on_every_rank(tmp_path):
+    """8 vs 6 batches per epoch (arrays): every rank raises at train begin naming the sharding (was: a hang)."""
+    skip_unless_available("gloo")
+    rc, out, secs = launch("gloo", STEPS_WORKER, tmp_path, timeout=120, env={"KERAS_LMS_STEPS_MODE": "known"})
+    assert rc is not None, f"the job hung ({secs:.0f} s) with different batch counts per rank:\n{tail(out)}"
+    assert rc != 0, tail(out)
+    for r in range(2):
+        assert (tmp_path / f"started{r}").exists(), tail(out)
+        assert not (tmp_path / f"epoch_end{r}").exists(), "must fail before training, not after an epoch"
+        err = (tmp_path / f"error{r}").read_text()
+        assert err.startswith("ValueError") and "rank 0: 8, rank 1: 6" in err and "shard" in err, err
+    assert secs < 60, f"took {secs:.1f}s"
+
+
+def test_unknown_batch_counts_fail_at_the_first_epoch_end(tmp_path):
+    """Generators (steps unknown up front), 8 vs 6 batches: the rank whose epoch ends first sends an
+    end-of-epoch marker that pairs with the other rank's gradient allreduce; both raise, naming the sharding,
+    within 60 s of the divergence (was: a hang)."""
+    skip_unless_available("gloo")
+    rc, out, secs = launch("gloo", STEPS_WORKER, tmp_path, timeout=150, env={"KERAS_LMS_STEPS_MODE": "unknown"})
+    end = time.time()
+    assert rc is not None, f"the job hung ({secs:.0f} s) with different batch counts per rank:\n{tail(out)}"
+    assert rc != 0, tail(out)
+    diverged = float((tmp_path / "epoch_end1").read_text())  # rank 1 ran out of data first
+    assert not (tmp_path / "epoch_end0").exists()
+    assert end - diverged < 60, f"the job ended {end - diverged:.0f} s after the ranks diverged"
+    for r in range(2):
+        assert not (tmp_path / f"finished{r}").exists()
+        assert (tmp_path / f"error{r}").exists(), f"rank {r} did not fail:\n{tail(out)}"
+        err = (tmp_path / f"error{r}").read_text()
+        assert "different numbers of training batches" in err and "shard" in err, err[:3000]
+
+
+# ------------------------------------------------------------------- issue 11 item 7, issue 12 item 3
+def test_memory_callback_inside_rank0_only_does_not_hang(run):
+    """MemoryHighWaterMark runs no collective unless across_ranks=True (it hid an allgather that only rank 0
+    reached: the whole launch hung); rank0_only refuses a collective callback on every rank."""
+    res = scenario(run, "memory_callback_placement")
+    for r, m in zip(run["ranks"], res):
+        if r["rank"] == 0:
+            assert {"peak_device_mib", "peak_host_rss_mib", "offloaded_mib"} <= set(m["rank0_only_keys"])
+        else:
+            assert not any(k.startswith("peak_") for k in m["rank0_only_keys"])
+        assert not any(k.endswith(("_min", "_max")) for k in m["rank0_only_keys"])
+        assert "across_ranks" in m["refused"] and "MemoryHighWaterMark" in m["refused"]
+        if run["size"] == 2:
+            assert {"peak_host_rss_mib_min", "peak_host_rss_mib_max"} <= set(m["across_keys"])
+            assert m["rss_max"] >= m["rss"]
+    if run["size"] == 2:
+        assert res[0]["rss_max"] == res[1]["rss_max"]
+
+
+def test_horovod_names_and_collectives_on_values(run):
+    size = run["size"]
+    for r, a in zip(run["ranks"], scenario(run, "api_parity")):
+        assert a["missing"] == []
+        assert a["allreduce_average"] == pytest.approx((size + 1) / 2)
+        assert a["allreduce_fp16"] == pytest.approx((size + 1) / 2)
+        assert a["allreduce_sum"] == pytest.approx([size * (size + 1) / 2, size])
+        assert a["allgather"] == [[k, k] for k in range(size) for _ in range(k + 1)]
+        assert a["broadcast"] == 10.0
+        full = [x * size * (size + 1) / 2 for x in range(4)]
+        assert a["reducescatter"] == pytest.approx(full[r["rank"] * 4 // size:(r["rank"] + 1) * 4 // size])
+        assert a["is_initialized"] is True and a["cross"] == [0, 1]
+        if r["rank"] == 0:
+            assert a["timeline_bytes"] > 0
+        assert "BroadcastGlobalVariablesCallback" in a["bgv_error"] and "broadcast_variables" in a["bgv_error"]
+
+
+# Horovod 0.28.1's positional order (horovod/tensorflow/keras/__init__.py and callbacks.py); ours may add
+# keyword-only arguments after them.
+HOROVOD_SIGNATURES = {
+    "DistributedOptimizer": ["optimizer", "name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
+                             "gradient_predivide_factor", "op", "backward_passes_per_step",
+                             "average_aggregated_gradients", "num_groups", "groups", "process_set",
+                             "scale_local_gradients"],
+    "PartialDistributedOptimizer": ["optimizer", "name", "device_dense", "device_sparse", "compression",
+                                    "sparse_as_dense", "gradient_predivide_factor", "op", "groups", "process_set",
+                                    "local_layers", "scale_local_gradients"],
+    "load_model": ["filepath", "custom_optimizers", "custom_objects", "compression", "legacy_opts"],
+    "allreduce": ["value", "name", "average", "prescale_factor", "postscale_factor", "op", "compression"],
+    "allgather": ["value", "name"],
+    "broadcast": ["value", "root_rank", "name"],
+    "reducescatter": ["value", "name", "op"],
+    "BroadcastGlobalVariablesCallback": ["root_rank", "device", "local_variables"],
+    "MetricAverageCallback": ["device"],
+    "LearningRateScheduleCallback": ["initial_lr", "multiplier", "start_epoch", "end_epoch", "staircase",
+                                     "momentum_correction", "steps_per_epoch"],
+    "LearningRateWarmupCallback": ["initial_lr", "warmup_epochs", "momentum_correction", "steps_per_epoch",
+                                   "verbose"],
+    "BestModelCheckpoint": ["monitor", "verbose", "save_weights_only", "mode", "save_freq"],
+}
+
+
+def test_positional_order_and_defaults_match_horovod(run):
+    a = scenario(run, "api_parity")[0]
+    for name, expected in HOROVOD_SIGNATURES.items():
+        assert a["signatures"][name][:len(expected)] == expected, name
+    assert a["named"] == "my_gradients"
+    assert a["defaults"] == [False, "per_pass", True]  # average_aggregated_gradients=False, as in Horovod
+    assert "backward_passes_per_step=" in a["positional_int_error"]
+
+
+def test_grouping_predivide_and_sum_match_reference(run):
+    for r in scenario(run, "other_optimizers"):
+        for label in ("groups_2", "num_groups_3", "predivide_2", "sum_half_lr"):
+            assert maxdiff(r[label]["final"], r[label]["reference"]) < TOL, label
+
+
+def test_local_variables(run):
+    res = scenario(run, "local_variables")
+    for r in res:
+        for label in ("register", "partial", "partial_unscaled"):
+            assert r[label]["local_error"] < 1e-6, label
+    if run["size"] == 2:
+        for label in ("register", "partial", "partial_unscaled"):
+            assert res[0][label]["shared"] == res[1][label]["shared"], label
+            assert res[0][label]["local"] != res[1][label]["local"], label
+
+
+def test_process_set_limits_the_allreduce(run):
+    need_two_ranks(run)
+    res = scenario(run, "process_sets")
+    for r, p in zip(run["ranks"], res):
+        assert p["set_ranks"] == [r["rank"]] and p["included"]
+        assert maxdiff(p["final"], p["own_reference"]) < TOL
+    assert maxdiff(res[0]["final"], res[1]["final"]) > 1e-3  # not averaged with the other rank
+
+
+def test_best_model_checkpoint_and_device(run):
+    for r, b in zip(run["ranks"], scenario(run, "best_checkpoint_and_device")):
+        assert b["written"] == (r["rank"] == 0) and b["loads"] == (r["rank"] == 0)
+        assert "filepath" in b["missing_path_error"]
+
+
+def test_load_model_custom_optimizers(run):
+    r = scenario(run, "saving")[0]
+    assert r["custom_loaded"] == ["MySGD", True, True]
+    assert "custom_optimizers" in r["dict_error"] and "custom_objects=" in r["dict_error"]
