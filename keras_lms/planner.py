@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from keras_lms import layer_facts, policy
 from keras_lms.config import format_bytes
 
 log = logging.getLogger("keras_lms")
@@ -73,89 +74,39 @@ class BudgetError(ValueError):
     """The step cannot fit the device budget even with every eligible tensor offloaded."""
 
 
-_NO_INPUT_GRAD_LAYERS = (
-    "Add", "Subtract", "Concatenate", "Average", "Flatten", "Reshape", "Permute", "RepeatVector", "Identity",
-    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
-    "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
-    "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
-)
-_OUTPUT_GRAD_ACTIVATIONS = ("relu", "sigmoid", "tanh", "elu")
-_MAX_POOLING_LAYERS = ("MaxPooling1D", "MaxPooling2D", "MaxPooling3D")
-_NORMALIZATION_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNormalization")
-_KERNEL_LAYERS = (
-    "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-    "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
-)
-# Input-sized temporaries the gradient of a normalization layer holds besides its input gradient (measured on
-# the executed graph: BatchNormalization's backward holds dy, x, dx and three more tensors of x's size).
-NORMALIZATION_TEMPORARIES = 3
 # Positions after its trigger's backward starts at which a prefetched copy back lands on the device when the
 # trigger's backward is short (not a convolution/matmul): the copy outlasts it.
 SWAP_IN_ARRIVAL = 1
 
-
-def _keras_class(unit, names) -> bool:
-    return type(unit).__name__ in names and type(unit).__module__.startswith("keras.")
-
-
-def _relu_like(unit) -> bool:
-    import keras
-
-    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") in _OUTPUT_GRAD_ACTIVATIONS:
-        return True
-    return type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold
+# The layer facts live in keras_lms.layer_facts (shared with the report and the back ends).
+backward_reads = layer_facts.backward_reads
+backward_temporaries = layer_facts.backward_temporaries
 
 
-def _fused_output_activation(unit) -> bool:
-    """A Dense/Conv-family layer whose activation's gradient is a function of its output (relu-like)."""
-    return _keras_class(unit, _KERNEL_LAYERS) and getattr(getattr(unit, "activation", None), "__name__", "") \
-        in _OUTPUT_GRAD_ACTIVATIONS
+def _is_kernel(unit) -> bool:
+    return layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS)
 
 
-def backward_reads(unit) -> tuple:
-    """``(reads_inputs, reads_output)`` of the unit's gradient as TensorFlow differentiates it (plain model).
-
-    Structural layers (Add, Concatenate, reshapes, padding, average pooling) need no tensor values for their
-    gradient; relu/sigmoid/tanh/elu activation layers need their output, not their input; max pooling and
-    Dense/Conv-family layers with a fused relu-like activation need both. Everything else is assumed to need
-    its inputs (the conservative choice).
-    """
-    import keras
-
-    if _keras_class(unit, _NO_INPUT_GRAD_LAYERS):
-        return False, False
-    if _relu_like(unit):
-        return False, True
-    if type(unit) is keras.layers.Activation and getattr(unit.activation, "__name__", "") == "linear":
-        return False, False
-    if _keras_class(unit, _MAX_POOLING_LAYERS) or _fused_output_activation(unit):
-        return True, True
-    return True, False
+def _is_max_pooling(unit) -> bool:
+    return layer_facts.is_keras_class(unit, layer_facts.MAX_POOLING_LAYERS)
 
 
 def _reads_output_host_copy(unit) -> bool:
     """Whether the wrapped backward reads the call's output from its consumer's host copy (when one exists)
     instead of keeping it on the device: relu-like layers, and on TensorFlow fused relu-like activations
     (keras_lms/offload/tensorflow.py). Max pooling is recomputed from its input instead."""
-    if _relu_like(unit):
+    if layer_facts.output_gradient_activation(unit) is not None:
         return True
     import keras
 
-    return _fused_output_activation(unit) and keras.backend.backend() == "tensorflow"
-
-
-def backward_temporaries(unit) -> int:
-    """Input-sized temporaries the call's gradient holds besides the gradients of its inputs and outputs."""
-    return NORMALIZATION_TEMPORARIES if _keras_class(unit, _NORMALIZATION_LAYERS) else 0
+    return layer_facts.fused_output_activation(unit) is not None and keras.backend.backend() == "tensorflow"
 
 
 def _tensors(calls, batch_size):
-    from keras_lms.policy import tensor_bytes
-
     sizes_in, sizes_out, keys_out = [], [], []
     for i, call in enumerate(calls):
-        sizes_in.append([tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)])
-        sizes_out.append([tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)])
+        sizes_in.append([policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)])
+        sizes_out.append([policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)])
         keys = list(call.output_keys) or [("out", i, j) for j in range(len(call.output_shapes))]
         keys_out.append(keys)
     return sizes_in, sizes_out, keys_out
@@ -194,7 +145,7 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         trigger = min(reader + prefetch, n - 1)
         # the copy back takes about as long as a short (memory-bound) backward: it lands during the trigger's
         # backward only when that is a convolution/matmul, else after it
-        start = positions - 1 - trigger + (0 if _keras_class(calls[trigger].unit, _KERNEL_LAYERS) else arrival)
+        start = positions - 1 - trigger + (0 if _is_kernel(calls[trigger].unit) else arrival)
         return min(start, positions - 1 - reader)
 
     def hold(size, start, end):  # on the device from position start to end, inclusive
@@ -213,7 +164,7 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
                     reader = host_copy[key]
                     start = positions - reader if reader is not None else arrives(i)
                     hold(size, start, backward)
-                elif not (any(offloaded[i]) and _keras_class(call.unit, _MAX_POOLING_LAYERS)):
+                elif not (any(offloaded[i]) and _is_max_pooling(call.unit)):
                     info[key][2] = max(info[key][2] or 0, backward)  # kept on the device for this backward
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             entry = info.setdefault(key, [size, 0, None])  # a model input exists from the start
@@ -224,7 +175,7 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
         # (normalization), and the recomputed output of an offloaded max pooling
         grads = sum(sizes_in[i]) * (1 + backward_temporaries(call.unit)) + sum(sizes_out[i])
-        if any(offloaded[i]) and _keras_class(call.unit, _MAX_POOLING_LAYERS):
+        if any(offloaded[i]) and _is_max_pooling(call.unit):
             grads += sum(sizes_out[i])
         hold(grads, backward, backward)
     for size, start, end in info.values():
@@ -237,13 +188,23 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     return StepMemory(static_bytes, timeline)
 
 
+def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0) -> list:
+    """Decide every call of one forward pass: the policy's per-call rules, narrowed to ``device_budget``.
+
+    One ``PlanEntry`` per call, in forward order. With ``config.device_budget`` only what the predicted step
+    (``static_bytes`` of weights, gradients and optimizer state included) needs is offloaded.
+    """
+    decisions = policy.decide_all(calls, config, batch_size)
+    if config.device_budget is not None:
+        decisions = fit_budget(calls, decisions, config, batch_size, static_bytes)
+    return policy.plan_entries(calls, decisions, batch_size)
+
+
 def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
     """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``.
 
     Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
     """
-    from keras_lms.policy import CallDecision
-
     budget = config.device_budget
     none = [[False] * len(d.offload_tensor) for d in decisions]
     plain = simulate(calls, none, batch_size, config.prefetch, static_bytes)
@@ -252,7 +213,7 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
                  format_bytes(plain.budget_bytes), format_bytes(budget))
         reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
                   f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
-        return [CallDecision(list(row), reason) for row in none]
+        return [policy.CallDecision(list(row), reason) for row in none]
     sizes_in, _, _ = _tensors(calls, batch_size)
     n = len(calls)
     candidates = [i for i, d in enumerate(decisions) if d.offloaded]
@@ -282,9 +243,9 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
     out = []
     for i, d in enumerate(decisions):
         if any(chosen[i]):
-            out.append(CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})"))
+            out.append(policy.CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})"))
         elif d.offloaded:
-            out.append(CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
+            out.append(policy.CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
         else:
             out.append(d)
     return out

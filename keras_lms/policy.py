@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from keras_lms import layer_facts
 from keras_lms.config import LMSConfig, format_bytes
 
 
@@ -144,28 +145,26 @@ class RawCall:
     output_keys: list = dataclasses.field(default_factory=list)  # identity of each output tensor (may be empty)
 
 
-def build_plan(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1, static_bytes: int = 0) -> list:
-    """Decide every call of one forward pass; one PlanEntry per call, in forward order.
+def decide_all(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1) -> list:
+    """The per-call rules (include/exclude, keep_last, min_bytes) for every call of one forward pass.
 
-    With ``config.device_budget`` the budget planner (keras_lms.planner) narrows the offloaded calls to what
-    the predicted step needs; ``static_bytes`` (weights, gradients, optimizer state) is part of that prediction.
+    The budget planner (``keras_lms.planner.build_plan``) may then narrow these decisions to ``device_budget``.
     """
     total = len(calls)
     decisions = []
     for index, call in enumerate(calls):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         decisions.append(decide(config, call.unit, call.enclosing, index, total, sizes, call.ranks, call.offloadable))
-    if config.device_budget is not None:
-        from keras_lms import planner
+    return decisions
 
-        decisions = planner.fit_budget(calls, decisions, config, batch_size, static_bytes)
-    from keras_lms.planner import backward_reads
 
+def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], batch_size: int = 1) -> list:
+    """One PlanEntry per call, in forward order, from the final decisions."""
     entries, copied = [], set()
     for index, (call, decision) in enumerate(zip(calls, decisions)):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         # Host copies that no backward reads are pruned by TensorFlow: count only what is read back.
-        reads = backward_reads(call.unit)[0]
+        reads = layer_facts.backward_reads(call.unit)[0]
         if decision.offloaded and not reads:
             decision = CallDecision(decision.offload_tensor,
                                     "offloaded: backward reads no inputs (output host copy or shapes only)")

@@ -1,8 +1,8 @@
 """The static activation report: what a training step keeps on the device, with and without LMS.
 
-``keras_lms.report(model, batch_size)`` traces the model once (no data, no step), applies the same policy
-and budget planner as ``wrap`` and predicts per layer call and in total what lives on the device and what
-moves over the host link. ``keras-lms report`` prints it from the command line.
+`keras_lms.report(model, batch_size)` traces the model once (no data, no step), applies the same policy
+and budget planner as `wrap` and predicts per layer call and in total what lives on the device and what
+moves over the host link. `keras-lms report` prints it from the command line.
 """
 
 from __future__ import annotations
@@ -13,17 +13,48 @@ import json
 
 import keras
 
-from keras_lms import planner, policy
+from keras_lms import layer_facts, planner, policy
 from keras_lms.config import LMSConfig, format_bytes, parse_bytes
 
 
 @dataclasses.dataclass
 class ActivationReport:
-    """Per-call rows and totals (bytes per step, per rank) for one batch size.
+    """What one training step keeps on the device, with and without LMS: returned by `keras_lms.report`.
 
-    ``totals`` keys: device_activation_bytes_plain, device_activation_bytes_wrapped, host_bytes_per_step,
-    transfer_bytes_per_step, transfer_seconds_per_step (at ``link_gbps``), static_bytes,
-    predicted_peak_bytes_plain, predicted_peak_bytes_wrapped, and device_budget when one is set.
+    All byte counts are per training step and per rank, at `batch_size`.
+
+    Args:
+        model_name: the reported model's name.
+        batch_size: samples per step per rank.
+        link_gbps: the host-link bandwidth used for `transfer_seconds_per_step` (GB/s).
+        rows: one dict per layer call, in forward order, with keys `index`, `layer`, `class`, `output_shape`,
+            `output_bytes`, `input_bytes`, `offloaded`, `offloaded_bytes` and `reason` (the same decision as
+            `LMSModel.lms_plan`).
+        totals: a dict with `device_activation_bytes_plain` and `device_activation_bytes_wrapped` (activations
+            kept on the device for the backward pass), `host_bytes_per_step`, `transfer_bytes_per_step`,
+            `transfer_seconds_per_step`, `static_bytes` (weights, gradients and optimizer state),
+            `predicted_peak_bytes_plain`, `predicted_peak_bytes_wrapped`, and `device_budget` when one is set.
+        plain: the simulated device-memory timeline of the plain step (`keras_lms.planner.StepMemory`).
+        wrapped: the same with LMS.
+        device_budget: the budget the plan was made for, or `None`.
+
+    Example:
+
+    ```python
+    import json
+
+    import keras
+    import keras_lms
+
+    inputs = keras.Input((64, 64, 3))
+    x = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
+    x = keras.layers.Conv2D(16, 3, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(x)))
+    rep = keras_lms.report(model, batch_size=8)
+    print(rep.totals["predicted_peak_bytes_plain"], rep.totals["predicted_peak_bytes_wrapped"])
+    print(rep.rows[0]["layer"], rep.rows[0]["reason"])
+    assert json.loads(rep.to_json())["batch_size"] == 8
+    ```
     """
 
     model_name: str
@@ -36,13 +67,28 @@ class ActivationReport:
     device_budget: int | None = None
 
     def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON: `model`, `batch_size`, `link_gbps`, `totals`, `rows` and both timelines.
+
+        Args:
+            indent: passed to `json.dumps` (`None`: one line).
+
+        Returns:
+            A JSON string.
+        """
         return json.dumps({"model": self.model_name, "batch_size": self.batch_size, "link_gbps": self.link_gbps,
                            "totals": self.totals, "rows": self.rows,
                            "timeline_plain": self.plain.timeline, "timeline_wrapped": self.wrapped.timeline},
                           indent=indent)
 
     def to_text(self, max_rows: int | None = None) -> str:
-        """A rich table of the layer calls and the totals, as plain text."""
+        """A table of the layer calls and the totals, as plain text (what `keras-lms report` prints).
+
+        Args:
+            max_rows: show at most this many layer calls (`None`: all).
+
+        Returns:
+            The text, 150 columns wide.
+        """
         from rich.console import Console
         from rich.table import Table
 
@@ -77,7 +123,17 @@ class ActivationReport:
         return buffer.getvalue()
 
     def plot(self, path, title: str | None = None):
-        """PNG: device memory through forward and backward, plain vs with LMS, with the budget line."""
+        """Write a PNG of device memory through the forward and backward pass, plain vs with LMS.
+
+        Needs matplotlib (`pip install "keras-lms[plot]"`). The budget, when set, is drawn as a line.
+
+        Args:
+            path: the file to write.
+            title: the plot's title (default: model name and batch size).
+
+        Returns:
+            `path`.
+        """
         import matplotlib
 
         matplotlib.use("Agg")
@@ -109,16 +165,52 @@ class ActivationReport:
 
 def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, device_budget=None,
            link_gbps: float = 16.0, config: LMSConfig | None = None) -> ActivationReport:
-    """Predict a training step's activation memory for ``model_or_wrapped`` at ``batch_size``.
+    """Predict a training step's device and host memory, with and without LMS, without running it.
+
+    The model is traced once with symbolic inputs (no data, no training step). The same policy and budget
+    planner as `keras_lms.wrap` decide what would be offloaded, and a simulation of the step gives the
+    activations kept on the device, the predicted device peak, the host memory needed and the bytes moved
+    over the host link, per layer call and in total. `keras-lms report MODEL.keras --batch-size N` prints it
+    from the command line.
 
     Args:
-        model_or_wrapped: a built keras.Model or an LMSModel (its settings are used; a plain model is reported
-            with the default settings of ``keras_lms.wrap``, or ``config``).
-        batch_size: samples per step per rank.
-        input_shape / dtype: one sample's shape (without the batch axis) and dtype, for models that do not
-            record their input shape, or to report another input size (e.g. a larger volume).
-        device_budget: report what the budget planner would offload for this budget (bytes or "6GiB").
-        link_gbps: host-link bandwidth for the transfer-time estimate (GB/s).
+        model_or_wrapped: a built `keras.Model`, or a `keras_lms.LMSModel` (then its settings are used).
+        batch_size: samples per step per rank (a positive int).
+        input_shape: one sample's shape without the batch axis, e.g. `(128, 128, 128, 1)`: for models that do
+            not record their input shape, or to report another input size. Defaults to the model's own.
+        dtype: the input dtype with `input_shape`. Defaults to `"float32"`.
+        device_budget: bytes or a size string such as `"6GiB"`: report what the budget planner would offload
+            for this budget (overrides the config's `device_budget`). Defaults to `None`.
+        link_gbps: the host-link bandwidth for the transfer-time estimate, in GB/s. Defaults to `16.0` (PCIe 4
+            x16).
+        config: the `keras_lms.LMSConfig` to report with. Defaults to the wrapped model's settings, or
+            `LMSConfig()` (the defaults of `wrap`) for a plain model.
+
+    Returns:
+        A `keras_lms.ActivationReport`: `.rows`, `.totals`, `.to_text()`, `.to_json()`, `.plot(path)`.
+
+    Raises:
+        TypeError: `model_or_wrapped` is not a `keras.Model`, or `config` is not an `LMSConfig`.
+        ValueError: `batch_size`, `input_shape` or `link_gbps` is not valid, or the model is not built or does
+            not record its input shape and no `input_shape` was given.
+        keras_lms.BudgetError: `device_budget` cannot be met even with full offload.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_lms
+
+    inputs = keras.Input((None, None, 3))        # any image size: give it with input_shape=
+    x = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
+    x = keras.layers.Conv2D(16, 3, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(x)))
+    rep = keras_lms.report(model, batch_size=8, input_shape=(64, 64, 3),
+                           config=keras_lms.LMSConfig(min_bytes="64KiB"))
+    print(rep.to_text())
+    larger = keras_lms.report(model, batch_size=8, input_shape=(128, 128, 3), device_budget="64MiB")
+    print(larger.totals["predicted_peak_bytes_wrapped"], larger.totals["host_bytes_per_step"])
+    ```
     """
     from keras_lms.model import LMSModel, _backend
 
@@ -170,7 +262,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
             raise ValueError(f"Model {model.name!r} does not record its input shape: pass input_shape=(...).")
     calls = backend.trace_calls(model, structure, specs, {})
     static = planner.static_bytes(model, optimizer)
-    plan = policy.build_plan(calls, config, batch_size=batch_size, static_bytes=static)
+    plan = planner.build_plan(calls, config, batch_size=batch_size, static_bytes=static)
     offloaded = [list(e.tensor_offloaded) for e in plan]
     none = [[False] * len(row) for row in offloaded]
     plain = planner.simulate(calls, none, batch_size, config.prefetch, static)
@@ -200,7 +292,7 @@ def _saved_bytes(calls, plan, batch_size):
     """Bytes of distinct layer inputs the backward pass reads: plain, and those still on the device with LMS."""
     plain, kept = {}, {}
     for call, entry in zip(calls, plan):
-        if not planner.backward_reads(call.unit)[0]:
+        if not layer_facts.backward_reads(call.unit)[0]:
             continue
         for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entry.tensor_offloaded):
             size = policy.tensor_bytes(shape, dtype, batch_size)

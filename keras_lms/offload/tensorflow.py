@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import policy
+from keras_lms import layer_facts, policy
 from keras_lms.offload import common
 
 log = logging.getLogger("keras_lms")
@@ -51,31 +51,20 @@ def _HOST_OP(tensor, name):
 
 
 def _output_gradient_fns():
-    """activation function -> f(y, dy) giving d(activation)/d(input) * dy from the activation's output.
+    """activation name -> f(y, dy) giving d(activation)/d(input) * dy from the activation's output.
 
     These are the ops TensorFlow's own registered gradients of Relu/Sigmoid/Tanh/Elu emit, fed the same
     output tensor, and they are elementwise (no reduction whose order could differ). Checked bit-identical to
     the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
     (tests/test_output_gradients.py). Only these four: keep a new entry only if that test shows it exact.
+    Which layers qualify is a layer fact (keras_lms.layer_facts); the kernels are this back end's.
     """
-    acts = keras.activations
     return {
-        acts.relu: lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
-        acts.sigmoid: lambda y, dy: tf.raw_ops.SigmoidGrad(y=y, dy=dy),
-        acts.tanh: lambda y, dy: tf.raw_ops.TanhGrad(y=y, dy=dy),
-        acts.elu: lambda y, dy: tf.raw_ops.EluGrad(gradients=dy, outputs=y),
+        "relu": lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
+        "sigmoid": lambda y, dy: tf.raw_ops.SigmoidGrad(y=y, dy=dy),
+        "tanh": lambda y, dy: tf.raw_ops.TanhGrad(y=y, dy=dy),
+        "elu": lambda y, dy: tf.raw_ops.EluGrad(gradients=dy, outputs=y),
     }
-
-
-_LINEAR_CORE_LAYERS = tuple(
-    getattr(keras.layers, name)
-    for name in (
-        "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
-        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
-    )
-    if hasattr(keras.layers, name)
-)
-_LINEAR_CORE_CALLS = {cls.call for cls in _LINEAR_CORE_LAYERS}
 
 
 def input_gradient_from_output(unit):
@@ -92,12 +81,7 @@ def input_gradient_from_output(unit):
     gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
     overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
     """
-    fns = _output_gradient_fns()
-    act = None
-    if type(unit) is keras.layers.Activation:
-        act = fns.get(unit.activation)
-    elif type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
-        act = fns[keras.activations.relu]
+    act = _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
     if act is None:
         return None
     return False, lambda x, y, dy: act(y, dy)
@@ -111,20 +95,37 @@ def reads_own_output(unit) -> bool:
 def fused_activation_grad(unit):
     """The output-based activation gradient for ``unit``, or None when the trick does not apply.
 
-    Only for layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a subclass that
-    overrides ``call`` is always fully recomputed.
+    Only for Dense/Conv-family layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a
+    subclass that overrides ``call`` is always fully recomputed.
     """
-    if not isinstance(unit, _LINEAR_CORE_LAYERS) or type(unit).call not in _LINEAR_CORE_CALLS:
-        return None
-    return _output_gradient_fns().get(getattr(unit, "activation", None))
+    return _output_gradient_fns().get(layer_facts.fused_output_activation(unit))
 
 
 @dataclasses.dataclass
 class _CallRecord:
+    """One intercepted layer call whose backward we build: everything that backward needs, and nothing more.
+
+    The gradient function closes over this record, so it holds no forward activation other than the host
+    copies and the inputs deliberately kept on the device (in eager mode anything else would stay alive).
+    """
+
     index: int
+    unit: object
+    original: object  # the unit's unpatched call
+    template: object  # (args, kwargs) with the tensors blanked (common.template)
+    positions: list
+    hosts: list  # per input tensor: its host copy, or None when it stays on the device
+    kept: list  # per input tensor: the device tensor when it stays there, else None
+    masks: list
+    trainable: list  # the trainable values the forward used (also inputs of the custom gradient)
+    snapshot: list  # non-trainable values before the forward (same Dropout masks / BatchNorm statistics)
+    compute_device: str | None
+    kept_call: bool  # nothing offloaded: a kept call routed here because its gradient reads its own output
     autocast: str | None = None  # the autocast dtype of the forward call, re-entered by the recompute
-    marker: tf.Tensor | None = None
+    marker: tf.Tensor | None = None  # this call's gradient arrival (the trigger of prefetched swap-ins)
     moments: list = dataclasses.field(default_factory=list)  # BatchNorm (mean, variance) per _moments call
+    n_outputs: int = 0
+    output_key: object = None  # ref of the (first) output, to find the host copy a consumer made of it
 
 
 def _is_tensor(value) -> bool:
@@ -227,15 +228,18 @@ class StepContext(common.InterceptingContext):
         # BatchNorm statistics in the recompute).
         trainable = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.trainable_variables)] if is_layer else []
         snapshot = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)] if is_layer else []
-        compute_device = next((t.device for t in tensors if t.device), None)
-        hosts = [self.swap_out(t) if off else None for t, off in zip(tensors, decision.offload_tensor)]
-        # Small tensors stay on the device and are read by the backward pass directly.
-        kept = [None if off else t for t, off in zip(tensors, decision.offload_tensor)]
         masks = [adapter.get_mask(t) for t in tensors]
-        autocast = adapter.current_autocast_dtype()
-        record = _CallRecord(index, autocast=autocast)
+        record = _CallRecord(
+            index=index, unit=unit, original=original, template=template, positions=positions,
+            hosts=[self.swap_out(t) if off else None for t, off in zip(tensors, decision.offload_tensor)],
+            # Small tensors stay on the device and are read by the backward pass directly.
+            kept=[None if off else t for t, off in zip(tensors, decision.offload_tensor)],
+            masks=masks, trainable=trainable, snapshot=snapshot,
+            compute_device=next((t.device for t in tensors if t.device), None),
+            kept_call=not decision.offloaded, autocast=adapter.current_autocast_dtype(),
+        )
         self.records[index] = record
-        result = {}
+        forward = {}
 
         @tf.custom_gradient
         def offloaded_forward(*flat):
@@ -245,43 +249,30 @@ class StepContext(common.InterceptingContext):
             call_args, call_kwargs = common.rebuild(template, positions, xs)
             with _capture_moments(unit, record):
                 outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
-                                                                   call_kwargs, autocast)
+                                                                   call_kwargs, record.autocast)
             flat_outputs = tf.nest.flatten(outputs)
-            result.update(outputs=outputs, new_state=new_state, n_outputs=len(flat_outputs))
+            forward.update(outputs=outputs, new_state=new_state)
+            record.n_outputs = len(flat_outputs)
 
-            def grad_fn(*upstream):
-                return self._backward(record, unit, original, template, positions, hosts, kept, masks, trainable,
-                                      snapshot, result, upstream, compute_device)
+            def grad_fn(*upstream, variables=None):
+                # TensorFlow passes ``variables`` only when the layer read variables that are not its own
+                # (e.g. tied weights); their gradients are then returned as well.
+                return self._backward(record, upstream, variables)
 
-            def grad_fn_with_variables(*upstream, variables=None):
-                # The layer read variables that are not its own (e.g. tied weights): differentiate them too.
-                return self._backward(record, unit, original, template, positions, hosts, kept, masks, trainable,
-                                      snapshot, result, upstream, compute_device, list(variables or []))
+            return flat_outputs + list(losses), grad_fn
 
-            return flat_outputs + list(losses), (grad_fn_with_variables if result.get("foreign") else grad_fn)
-
-        try:
-            flat_results = offloaded_forward(*tensors, *trainable)
-        except TypeError as err:
-            if "variables" not in str(err):
-                raise
-            result["foreign"] = True
-            record.moments.clear()
-            flat_results = offloaded_forward(*tensors, *trainable)
-        n_out = result["n_outputs"]
-        outputs = tf.nest.pack_sequence_as(result["outputs"], list(flat_results[:n_out]))
-        for original_out, new_out in zip(tf.nest.flatten(result["outputs"]), flat_results[:n_out]):
+        flat_results = offloaded_forward(*tensors, *trainable)
+        n_out = record.n_outputs
+        outputs = tf.nest.pack_sequence_as(forward["outputs"], list(flat_results[:n_out]))
+        for original_out, new_out in zip(tf.nest.flatten(forward["outputs"]), flat_results[:n_out]):
             adapter.set_mask(new_out, adapter.get_mask(original_out))
         for loss in flat_results[n_out:]:
             unit.add_loss(loss)
         if is_layer:
-            for var, old, new in zip(unit.non_trainable_variables, snapshot, result["new_state"]):
+            for var, old, new in zip(unit.non_trainable_variables, snapshot, forward["new_state"]):
                 if new is not old:
                     var.assign(new)
-        # The backward closure must not hold forward tensors (in eager mode that would keep them alive).
-        result["outputs"] = result["new_state"] = None
-        result["output_key"] = None if self.eager else flat_results[0].ref()
-        result["kept"] = not decision.offloaded
+        record.output_key = None if self.eager else flat_results[0].ref()
         return outputs
 
     # ----------------------------------------------------------------- backward
@@ -314,44 +305,46 @@ class StepContext(common.InterceptingContext):
         self.swap_ins[host.ref()] = dev
         return dev
 
-    def _backward(self, record, unit, original, template, positions, hosts, kept, masks, trainable, snapshot,
-                  result, upstream, compute_device, foreign_variables=None):
+    def _backward(self, record, upstream, foreign_variables=None):
         upstream = list(upstream)
+        unit, device = record.unit, record.compute_device
         arrived = next((g for g in upstream if g is not None), None)
         trigger = None
         if not self.eager and arrived is not None:
-            with _on_device(compute_device):
+            with _on_device(device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
         direct = input_gradient_from_output(unit)
-        if (direct is not None and foreign_variables is None and len(hosts) == 1 and not trainable
+        if (direct is not None and foreign_variables is None and len(record.hosts) == 1 and not record.trainable
                 and upstream[0] is not None):
-            y = self._swapped_in_output(result, record, trigger, compute_device)
+            y = self._swapped_in_output(record, trigger)
             if y is not None:
                 needs_input, input_grad = direct
                 x = None
                 if needs_input:
-                    x = kept[0] if hosts[0] is None else self.swap_in(hosts[0], trigger, compute_device, record.index)
-                with _on_device(compute_device):
+                    x = self._input(record, 0, trigger)
+                with _on_device(device):
                     return [input_grad(x, y, upstream[0])]
         xs = []
-        for host, keep, mask in zip(hosts, kept, masks):
-            x = keep if host is None else self.swap_in(host, trigger, compute_device, record.index)
+        for i, mask in enumerate(record.masks):
+            x = self._input(record, i, trigger)
             adapter.set_mask(x, mask)
             xs.append(x)
 
-        fused = self._fused_output_gradient(unit, record, result, upstream, trigger, compute_device)
+        fused = self._fused_output_gradient(record, upstream, trigger)
         if fused is not None:
             upstream = [fused] + upstream[1:]
         foreign = list(foreign_variables or [])
-        sources = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex] + list(trainable) + foreign
-        call_args, call_kwargs = common.rebuild(template, positions, xs)
-        with _on_device(compute_device):
+        differentiable = [x for x in xs if x.dtype.is_floating or x.dtype.is_complex]
+        sources = differentiable + list(record.trainable) + foreign
+        call_args, call_kwargs = common.rebuild(record.template, record.positions, xs)
+        with _on_device(device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(sources)
                 with _without_activation(unit, enabled=fused is not None), _reuse_moments(unit, record):
-                    outputs, _, losses = adapter.run_stateless(unit, original, trainable, snapshot, call_args,
-                                                               call_kwargs, record.autocast)
+                    outputs, _, losses = adapter.run_stateless(unit, record.original, record.trainable,
+                                                               record.snapshot, call_args, call_kwargs,
+                                                               record.autocast)
             targets = tf.nest.flatten(outputs) + list(losses)
             pairs = [(t, g) for t, g in zip(targets, upstream) if g is not None]
             if not pairs:
@@ -366,34 +359,41 @@ class StepContext(common.InterceptingContext):
             return input_grads + list(grads)
         return input_grads + list(grads), variable_grads
 
-    def _fused_output_gradient(self, unit, record, result, upstream, trigger, compute_device):
+    def _input(self, record, i, trigger):
+        """Input ``i`` of the call for its backward: the kept device tensor, or its host copy brought back."""
+        host = record.hosts[i]
+        if host is None:
+            return record.kept[i]
+        return self.swap_in(host, trigger, record.compute_device, record.index)
+
+    def _fused_output_gradient(self, record, upstream, trigger):
         """d(activation) from the layer output's host copy (see module docstring, point 4), or None."""
-        activation_grad = fused_activation_grad(unit)
+        activation_grad = fused_activation_grad(record.unit)
         if activation_grad is None or upstream[0] is None:
             return None
-        y = self._swapped_in_output(result, record, trigger, compute_device)
+        y = self._swapped_in_output(record, trigger)
         if y is None:
             return None
-        with _on_device(compute_device):
+        with _on_device(record.compute_device):
             return activation_grad(y, upstream[0])
 
-    def _swapped_in_output(self, result, record, trigger, compute_device):
+    def _swapped_in_output(self, record, trigger):
         """The call's (single) output brought back from the host copy its consumer made, or None.
 
         Reuses the consumer's swap-in when there is one (the consumer's backward ran just before ours). When
         a kept layer with weights consumes the output, it is on the device anyway and is read there. Otherwise
         (eager mode, or a consumer that keeps nothing) the caller recomputes.
         """
-        if self.eager or result["n_outputs"] != 1:
+        if self.eager or record.n_outputs != 1:
             return None
-        host = self.host_copies.get(result["output_key"])
+        host = self.host_copies.get(record.output_key)
         if host is None:
             # No consumer offloaded the output: it is on the device anyway when a kept consumer with weights
             # holds it, or when this call is kept (as the plain model's gradient would read it there).
-            on_device = result["output_key"] in self.device_held or result.get("kept")
-            return result["output_key"].deref() if on_device else None
+            on_device = record.output_key in self.device_held or record.kept_call
+            return record.output_key.deref() if on_device else None
         y = self.swap_ins.get(host.ref())
-        return y if y is not None else self.swap_in(host, trigger, compute_device, record.index)
+        return y if y is not None else self.swap_in(host, trigger, record.compute_device, record.index)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,128 @@
+"""What a layer's gradient reads: one table of facts that the planner, the report and both back ends share.
+
+Every fact here is about Keras' own layer classes (a subclass may override ``call`` and is then treated as an
+arbitrary layer), and about how the frameworks differentiate them:
+
+* structural layers (Add, Concatenate, reshapes, padding, cropping, global average pooling; average pooling on
+  TensorFlow) need no tensor values for their gradient: the backward keeps nothing of them;
+* relu/sigmoid/tanh/elu gradients are functions of the activation's *output*: a standalone activation layer
+  keeps only its output, and a Dense/Conv-family layer with such a fused activation keeps its output too;
+* max pooling reads its input and its output;
+* normalization gradients hold a few input-sized temporaries (measured on TensorFlow's executed graph).
+
+Back ends decide which of these facts they can exploit (their own kernel tables); this module only says what
+is true of the layers.
+"""
+
+from __future__ import annotations
+
+import keras
+
+STRUCTURAL_LAYERS = frozenset({
+    "Add", "Subtract", "Concatenate", "Average", "Flatten", "Reshape", "Permute", "RepeatVector", "Identity",
+    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
+    "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
+})
+# TensorFlow's AvgPool gradient reads only the input's shape; torch's autograd saves the input itself
+# (avg_pool*_backward takes it), so on torch average pooling keeps its input like any layer.
+AVERAGE_POOLING_LAYERS = frozenset({"AveragePooling1D", "AveragePooling2D", "AveragePooling3D"})
+OUTPUT_GRAD_ACTIVATIONS = ("relu", "sigmoid", "tanh", "elu")
+MAX_POOLING_LAYERS = frozenset({"MaxPooling1D", "MaxPooling2D", "MaxPooling3D"})
+NORMALIZATION_LAYERS = frozenset({"BatchNormalization", "LayerNormalization", "GroupNormalization"})
+KERNEL_LAYERS = frozenset({
+    "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+    "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
+})
+# Input-sized temporaries the gradient of a normalization layer holds besides its input gradient (measured on
+# the executed graph: BatchNormalization's backward holds dy, x, dx and three more tensors of x's size).
+NORMALIZATION_TEMPORARIES = 3
+
+
+def is_keras_class(unit, names) -> bool:
+    """``unit`` is an instance of one of Keras' own classes called ``names`` (not a user subclass)."""
+    cls = type(unit)
+    return cls.__name__ in names and cls.__module__.startswith("keras.")
+
+
+def _activation_name(fn) -> str:
+    """Keras' name of ``fn`` when it is one of Keras' own relu-like/linear activations (by identity, so a
+    user function that happens to be called ``relu`` is not mistaken for it), else ''."""
+    acts = keras.activations
+    known = {acts.relu: "relu", acts.sigmoid: "sigmoid", acts.tanh: "tanh", acts.elu: "elu", acts.linear: "linear"}
+    try:
+        return known.get(fn, "")
+    except TypeError:  # an unhashable callable
+        return ""
+
+
+def is_plain_relu(unit) -> bool:
+    """A ``keras.layers.ReLU`` that is exactly ``max(x, 0)`` (no cap, slope or threshold)."""
+    return (type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope
+            and not unit.threshold)
+
+
+def output_gradient_activation(unit) -> str | None:
+    """For a standalone activation layer whose gradient is a function of its output, the activation's name.
+
+    ``ReLU()`` without options and ``Activation("relu"|"sigmoid"|"tanh"|"elu")``; None for anything else.
+    """
+    if type(unit) is keras.layers.Activation:
+        name = _activation_name(unit.activation)
+        return name if name in OUTPUT_GRAD_ACTIVATIONS else None
+    return "relu" if is_plain_relu(unit) else None
+
+
+def fused_output_activation(unit) -> str | None:
+    """For a Dense/Conv-family layer running Keras' own ``call`` with a relu-like fused activation, its name.
+
+    Only Keras' own ``call`` ends with ``self.activation(...)``; a subclass that overrides ``call`` gets None
+    (a subclass that keeps Keras' ``call`` counts).
+    """
+    if not runs_keras_kernel_call(unit):
+        return None
+    name = _activation_name(getattr(unit, "activation", None))
+    return name if name in OUTPUT_GRAD_ACTIVATIONS else None
+
+
+def _kernel_classes():
+    return tuple(getattr(keras.layers, name) for name in sorted(KERNEL_LAYERS) if hasattr(keras.layers, name))
+
+
+def runs_keras_kernel_call(unit) -> bool:
+    """An instance of a Dense/Conv-family class (or a subclass) whose ``call`` is Keras' own."""
+    classes = _kernel_classes()
+    return isinstance(unit, classes) and type(unit).call in {cls.call for cls in classes}
+
+
+def is_linear_activation(unit) -> bool:
+    return type(unit) is keras.layers.Activation and _activation_name(unit.activation) == "linear"
+
+
+def keeps_no_activation(unit, backend: str | None = None) -> bool:
+    """The unit's gradient reads no tensor values (only shapes): structural layers, linear activations, and
+    on TensorFlow average pooling. ``backend`` defaults to Keras' current back end."""
+    backend = backend or keras.backend.backend()
+    if is_keras_class(unit, STRUCTURAL_LAYERS) or is_linear_activation(unit):
+        return True
+    return backend == "tensorflow" and is_keras_class(unit, AVERAGE_POOLING_LAYERS)
+
+
+def backward_reads(unit, backend: str | None = None) -> tuple:
+    """``(reads_inputs, reads_output)`` of the unit's gradient as the framework differentiates it (plain model).
+
+    Structural layers need no tensor values; relu-like activation layers need their output, not their input;
+    max pooling and Dense/Conv-family layers with a fused relu-like activation need both. Everything else is
+    assumed to need its inputs (the conservative choice).
+    """
+    if keeps_no_activation(unit, backend):
+        return False, False
+    if output_gradient_activation(unit) is not None:
+        return False, True
+    if is_keras_class(unit, MAX_POOLING_LAYERS) or fused_output_activation(unit) is not None:
+        return True, True
+    return True, False
+
+
+def backward_temporaries(unit) -> int:
+    """Input-sized temporaries the call's gradient holds besides the gradients of its inputs and outputs."""
+    return NORMALIZATION_TEMPORARIES if is_keras_class(unit, NORMALIZATION_LAYERS) else 0
