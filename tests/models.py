@@ -319,3 +319,60 @@ ORACLE_CASES = {
     "attention_dropout": (attention_dropout, lambda: _RNG.random((4, 6, 8)).astype("float32")),
     "cnn3d_maxpool": (cnn3d_maxpool, lambda: near_ties((2, 8, 8, 8, 1))),
 }
+
+
+# --- keras.applications (weights=None): the model zoo both back ends' suites compare wrapped vs plain on
+# (tests/test_applications.py, tests/torch/test_applications.py): name -> (build, input edge, dtype, tolerance).
+# DenseNet121 at 32x32 with batch 2 has BatchNorm over 1x1 maps, so its float32 gradients are dominated by
+# cancellation; it runs in float64, where the comparison is exact to ~1e-10 (tests/test_applications.py).
+# EfficientNetB0 runs at 64x64 (issue 13's reproduction: stochastic depth is Dropout(noise_shape=(None, 1, 1, 1))).
+APPLICATIONS = {
+    "MobileNetV2": (lambda: keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
+                                                           classes=5), 32, "float32", 1e-5),
+    "ResNet50": (lambda: keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=5), 32,
+                 "float32", 1e-5),
+    "EfficientNetB0": (lambda: keras.applications.EfficientNetB0(input_shape=(64, 64, 3), weights=None, classes=5),
+                       64, "float32", 1e-5),
+    "VGG16": (lambda: keras.applications.VGG16(input_shape=(32, 32, 3), weights=None, classes=5), 32, "float32", 1e-5),
+    "ConvNeXtTiny": (lambda: keras.applications.ConvNeXtTiny(input_shape=(32, 32, 3), weights=None, classes=5), 32,
+                     "float32", 1e-5),
+    "DenseNet121": (lambda: keras.applications.DenseNet121(input_shape=(32, 32, 3), weights=None, classes=5), 32,
+                    "float64", 1e-8),
+    "Xception": (lambda: keras.applications.Xception(input_shape=(71, 71, 3), weights=None, classes=5), 71,
+                 "float32", 1e-5),
+    "MobileNetV3Small": (lambda: keras.applications.MobileNetV3Small(input_shape=(32, 32, 3), weights=None,
+                                                                     classes=5), 32, "float32", 1e-5),
+}
+
+
+class RandomBlock(layers.Layer):
+    """Every random layer Keras has, in one composite layer without ``training``: Dropout with and without
+    ``noise_shape``, SpatialDropout2D, GaussianNoise, GaussianDropout, AlphaDropout, random augmentation."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.randoms = [layers.Dropout(0.3), layers.Dropout(0.3, noise_shape=(None, 1, 1, 1)),
+                        layers.SpatialDropout2D(0.3), layers.GaussianNoise(0.2), layers.GaussianDropout(0.3),
+                        layers.AlphaDropout(0.3), layers.RandomFlip(), layers.RandomTranslation(0.2, 0.2)]
+        self.convs = [layers.Conv2D(4, 3, padding="same", activation="relu") for _ in self.randoms]
+
+    def call(self, x):
+        for random, conv in zip(self.randoms, self.convs):
+            x = x + conv(random(x))
+        return x
+
+
+def random_layers(size=16):
+    """Random layers as model layers and inside a composite layer: each draws once per step, the recompute
+    must replay the forward's draws (issue 13)."""
+    inp = keras.Input((size, size, 4))
+    x = layers.Conv2D(4, 3, padding="same")(inp)
+    x = layers.Dropout(0.5, noise_shape=(None, 1, 1, 4))(x)  # stochastic depth / EfficientNet style
+    x = layers.GaussianNoise(0.1)(layers.GaussianDropout(0.2)(x))
+    x = RandomBlock()(x)
+    x = layers.AlphaDropout(0.2)(layers.SpatialDropout2D(0.2)(x))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, layers.Dense(3)(x), name="random_layers")
+
+
+ORACLE_CASES["random_layers"] = (random_layers, lambda: images(channels=4))

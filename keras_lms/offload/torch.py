@@ -37,7 +37,10 @@ are the same, so CPU CI tests the logic.
 Keras keeps every intermediate tensor of a functional graph alive until the forward pass returns; on an eager
 back end that would keep all activations on the device, so :meth:`StepContext.forward_scope` makes the
 wrapped model's functional graphs release each tensor after its last consumer
-(``_keras_adapter.releasing_graph_runs``).
+(``_keras_adapter.releasing_graph_runs``). Keras' torch tree utilities keep every tensor they flatten in a
+reference cycle until Python's cyclic collector runs; the forward pass and each recompute run under
+``_keras_adapter.acyclic_torch_trees``, so an offloaded original dies when its last forward consumer is done
+(also with ``gc.disable()``; ``tests/torch/test_memory.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import policy
+from keras_lms import layer_facts, policy
 from keras_lms.offload import common
 
 log = logging.getLogger("keras_lms")
@@ -347,39 +350,25 @@ def swap_in_order(index: int, pending, prefetch: int) -> list:
 
 
 # ----------------------------------------------------------------------------------------- unit kinds
-_PLAIN_LAYERS = (
-    # torch's gradient of these reads no activation values: autograd keeps nothing to offload.
-    "Add", "Subtract", "Concatenate", "Average", "Flatten", "Reshape", "Permute", "RepeatVector", "Identity",
-    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
-    "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
-)
-
-
 def _output_gradient_fns():
-    """activation function -> f(y, dy): its input gradient from its output, with torch's own kernels."""
-    acts = keras.activations
+    """activation name -> f(y, dy): its input gradient from its output, with torch's own kernels."""
     aten = torch.ops.aten
     return {
-        acts.relu: lambda y, dy: aten.threshold_backward(dy, y, 0),
-        acts.sigmoid: lambda y, dy: aten.sigmoid_backward(dy, y),
-        acts.tanh: lambda y, dy: aten.tanh_backward(dy, y),
+        "relu": lambda y, dy: aten.threshold_backward(dy, y, 0),
+        "sigmoid": lambda y, dy: aten.sigmoid_backward(dy, y),
+        "tanh": lambda y, dy: aten.tanh_backward(dy, y),
         # Not elu: torch's own elu gradient reads the input; elu_backward from the output is 1.2e-7 off.
     }
 
 
 def output_gradient(unit):
     """For a relu/sigmoid/tanh activation layer, ``fn(y, dy)`` giving its input gradient; else None."""
-    fns = _output_gradient_fns()
-    if type(unit) is keras.layers.Activation:
-        return fns.get(unit.activation)
-    if type(unit) is keras.layers.ReLU and not unit.max_value and not unit.negative_slope and not unit.threshold:
-        return fns[keras.activations.relu]
-    return None
+    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
 
 
 def runs_plainly(unit, kwargs) -> bool:
     """Structural layers whose torch gradient keeps no activation (a mask turns pooling into a product)."""
-    if type(unit).__name__ not in _PLAIN_LAYERS or not type(unit).__module__.startswith("keras."):
+    if not layer_facts.is_keras_class(unit, layer_facts.STRUCTURAL_LAYERS):
         return False
     return not any(isinstance(v, torch.Tensor) for v in keras.tree.flatten(kwargs))
 
@@ -565,7 +554,7 @@ class _CallRecord:
         xs = []
         for host, kept in zip(self.hosts, self.kept):
             xs.append(kept if host is None else self.swaps[id(host)].get())
-        with torch.enable_grad(), self.rng.restored():
+        with torch.enable_grad(), self.rng.restored(), adapter.acyclic_torch_trees():
             xs = [x.detach().requires_grad_(True) if _is_float(x) else x.detach() for x in xs]
             params = [p.detach().requires_grad_(True) for p in self.trainable]
             for x, mask in zip(xs, self.masks):
@@ -610,8 +599,9 @@ class StepContext(common.InterceptingContext):
 
     @contextlib.contextmanager
     def forward_scope(self):
-        """Around the wrapped model's forward pass: release graph intermediates after their last use."""
-        with adapter.releasing_graph_runs(self.structure.models):
+        """Around the wrapped model's forward pass: release graph intermediates after their last use, and
+        flatten structures without reference cycles (see ``_keras_adapter.acyclic_torch_trees``)."""
+        with adapter.releasing_graph_runs(self.structure.models), adapter.acyclic_torch_trees():
             yield
 
     def transfer(self, device) -> Transfer:

@@ -1,4 +1,5 @@
-"""The numerics oracle on real architectures on the torch back end (keras.applications, weights=None)."""
+"""The numerics oracle on real architectures on the torch back end: the keras.applications zoo of
+tests/models.py (the same table and tolerances as the TensorFlow suite), weights=None."""
 
 import time
 
@@ -7,24 +8,49 @@ import numpy as np
 import pytest
 
 import keras_lms
+from tests import models
 from tests.torch.torch_oracle import assert_matches
 
-APPS = {
-    "MobileNetV2": lambda: keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=5),
-    "ResNet50": lambda: keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=5),
-}
+
+@pytest.fixture
+def dtype_policy(request):
+    dtype = request.param
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+    try:
+        yield dtype
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(APPS))
-def test_application_matches_plain(name):
+@pytest.mark.parametrize("name,dtype_policy", [
+    pytest.param(n, models.APPLICATIONS[n][2], marks=[pytest.mark.xfail(
+        strict=True, reason="open (issue 13): on torch DenseNet121 in float64 differs by ~5e-7 relative (float32-level "
+                            "rounding somewhere in the wrapped step), above the float64 tolerance 1e-8")]
+                 if n == "DenseNet121" else ()) for n in sorted(models.APPLICATIONS)], indirect=["dtype_policy"])
+def test_application_matches_plain(name, dtype_policy):
+    build, size, dtype, tol = models.APPLICATIONS[name]
     keras.utils.set_random_seed(0)
-    model = APPS[name]()
-    x = np.random.default_rng(0).random((2, 32, 32, 3)).astype("float32")
+    model = build()
+    x = np.random.default_rng(0).random((2, size, size, 3)).astype(dtype)
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1)
     start = time.perf_counter()
-    result = assert_matches(model, wrapped, x, tol=1e-5)
+    result = assert_matches(model, wrapped, x, tol=tol)
     offloaded = sum(e.offloaded for e in wrapped.lms_plan)
     assert offloaded >= len(wrapped.lms_plan) // 2
     print(f"{name}: {len(wrapped.lms_plan)} calls, {offloaded} offloaded, max grad rel err "
           f"{max(result['grads'].values()):.2e}, {time.perf_counter() - start:.1f}s")
+
+
+def test_seed_states_are_model_state_not_weights():
+    """Issue 13's EfficientNet report compared steps restored with get_weights/set_weights: SeedGenerator states
+    (Dropout with noise_shape, as in stochastic depth) are in ``model.variables``, not ``model.weights``, and
+    ``keras.utils.set_random_seed`` does not reset them, so a second step draws other masks, wrapped or not.
+    Restoring ``model.variables`` (what the oracle does) makes the wrapped step exact."""
+    build, data = models.ORACLE_CASES["random_layers"]
+    model = build()
+    seeds = [v for v in model.variables if "seed_generator" in v.path]
+    assert seeds and not any(v is w for v in seeds for w in model.weights)
+    assert_matches(model, keras_lms.wrap(model, min_bytes=0, keep_last=0), data())
