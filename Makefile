@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.keras-lms-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install test test-fast test-horovod bench demo horovod clean-venv
+.PHONY: install test test-fast test-horovod lint docs bench demo horovod clean-venv
 
 install: $(STAMP) $(HVD_STAMP)
 
@@ -40,11 +40,20 @@ test-fast: $(STAMP)
 test-horovod: install
 	$(PY) -m pytest -q -ra -m horovod tests/horovod
 
+# ruff, configured in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# The API reference (HTML, from the docstrings) in docs/api/; fails on an import error, a pdoc warning or a
+# public docstring without its Args/Returns/Raises/Example sections. keras_lms.horovod needs Horovod installed.
+docs: install
+	$(PY) scripts/api_docs.py docs/api
+
 # Side-by-side benchmarks; results are recorded in docs/benchmarks.md and docs/horovod.md.
 bench: install
-	$(PY) benchmarks/cpu_overhead.py
-	$(PY) benchmarks/report_accuracy.py
-	$(PY) benchmarks/horovod_scaling.py
+	$(PY) -m benchmarks.cpu_overhead
+	$(PY) -m benchmarks.report_accuracy
+	$(PY) -m benchmarks.horovod_scaling
 
 demo: install
 	bash scripts/demo.sh $(PY)

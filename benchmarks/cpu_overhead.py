@@ -1,6 +1,6 @@
 """Wrapped vs plain training-step time on CPU, measured side by side in one run.
 
-    python benchmarks/cpu_overhead.py [--steps 15] [--repeats 3]
+    python -m benchmarks.cpu_overhead [--steps 15] [--repeats 3]      # from the repository root
 
 Prints the median step time of each and the ratio wrapped/plain for a 2D U-Net (8x256x256x1) and a
 ResNet-style model. Plain and wrapped steps alternate step by step so machine noise hits both equally;
@@ -11,22 +11,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from rich.console import Console
+from rich.table import Table
 
-import keras_lms  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
+import keras_lms
+
+try:
+    from examples.unet import build_unet
+except ModuleNotFoundError as err:  # run as a file: the repository root is not on sys.path
+    if err.name != "examples":
+        raise
+    raise SystemExit("run it from the repository root as a module: python -m benchmarks.cpu_overhead ...") from err
 
 
 def resnetish(size=128, filters=32, blocks=4):
@@ -64,7 +67,8 @@ def measure(name, model, x, y, steps, repeats, wrap_kwargs):
         "wrapped": make_step(wrapped, keras.optimizers.SGD(1e-3), x, y),
     }
     for run in runners.values():  # trace + warm up
-        run(); run()
+        run()
+        run()
     times = {k: [] for k in runners}
     for _ in range(repeats * steps):  # alternate step by step so drift and noise hit both variants alike
         for key, run in runners.items():

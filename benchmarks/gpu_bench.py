@@ -158,7 +158,8 @@ def to_markdown(data) -> str:
         trials = [(mode, t) for mode in ("plain", "lms") if me.get(mode) for t in me[mode]["trials"]]
         lines += ["", "| mode | edge | result | step s | peak GiB |", "| --- | --- | --- | --- | --- |"]
         for mode, t in trials:
-            lines.append(f"| {mode} | {t['edge']} | {'ok' if t['ok'] else t['error']} | {_fmt(t.get('seconds'), '.1f')} "
+            status = 'ok' if t['ok'] else t['error']
+            lines.append(f"| {mode} | {t['edge']} | {status} | {_fmt(t.get('seconds'), '.1f')} "
                          f"| {_fmt(t.get('peak_gib'), '.2f')} |")
     else:
         lines.append("not measured")
@@ -215,7 +216,7 @@ def measure_bandwidth(nbytes: int, reps: int) -> dict:
         "reps": reps,
         "skipped": None,
     }
-    host = dev = dev2 = None  # noqa: F841 - release the buffers before the memory cap is set
+    host = dev = dev2 = None
     torch.cuda.empty_cache()
     return result
 
@@ -300,7 +301,7 @@ def try_step(mode: str, edge: int, args) -> dict:
             trial["offloaded_gib"] = wrapped.offloaded_bytes_per_step / GIB
     except BudgetExceeded:
         raise
-    except Exception as err:  # noqa: BLE001 - classify, record, continue
+    except Exception as err:
         if _is_oom(err):
             trial["error"] = "host memory" if "host memory" in str(err) else "device OOM"
         else:
@@ -434,7 +435,8 @@ def time_steps(edge: int, args, bandwidth: dict | None) -> dict:
 
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=pathlib.Path, required=True, help="directory for results.json and results.md")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, runs on CPU (CI)")
     p.add_argument("--cap-gib", type=float, default=None, help="device memory cap (default 16; smoke: none)")
@@ -521,7 +523,7 @@ def main(argv=None) -> int:
                 t = time_steps(edge, args, bw)
             except BudgetExceeded:
                 raise
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 kind = "device OOM" if _is_oom(err) else f"{type(err).__name__}: {str(err)[:300]}"
                 results.data["errors"].append(f"timing at edge {edge}: {kind}")
                 err = None

@@ -119,7 +119,8 @@ def launch(np_: int, args, out: Path, independent: bool = False) -> None:
     py = sys.executable
     me = str(Path(__file__).resolve())
     wargs = [me, "--worker-out", str(out), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--image-size", str(args.image_size)] + (["--no-wrap"] if args.no_wrap else []) \
+             "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--image-size", str(args.image_size)] \
+            + (["--no-wrap"] if args.no_wrap else []) \
         + (["--independent"] if independent else [])
     if args.launcher == "gloo":
         cmd = [str(Path(py).parent / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", py, *wargs]

@@ -6,34 +6,56 @@ Two stacked LSTMs, forced offload, one step on the same weights: prints the loss
 largest relative gradient difference wrapped vs plain, plain vs a float64 reference, wrapped vs float64.
 Results and the conclusion are in docs/design.md ("Numerical exactness").
 """
-import os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"]="2"
-import numpy as np, tensorflow as tf, keras, keras_lms
-policy = sys.argv[1]
-keras.mixed_precision.set_dtype_policy(policy)
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_lms
+
+
 def build():
     keras.utils.set_random_seed(0)
     inp = keras.Input((20, 8))
     x = keras.layers.LSTM(32, return_sequences=True)(inp)
     x = keras.layers.LSTM(16)(x)
     return keras.Model(inp, keras.layers.Dense(1, dtype="float32")(x))
-x = np.random.default_rng(0).normal(size=(16, 20, 8)).astype("float32"); y = np.random.default_rng(1).normal(size=(16, 1)).astype("float32")
-m = build(); w0 = [v.numpy() for v in m.weights]
-def grads(model):
-    with tf.GradientTape() as t:
+
+
+def gradients(model, x, y):
+    with tf.GradientTape() as tape:
         loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-    return loss.numpy(), [g.numpy().astype("float64") for g in t.gradient(loss, model.trainable_variables)]
-lp, gp = grads(m)
-for v, a in zip(m.weights, w0): v.assign(a)
-wr = keras_lms.wrap(m, min_bytes=0, keep_last=0)
-lw, gw = grads(wr)
-# float64 reference of same weights
-keras.mixed_precision.set_dtype_policy("float64")
-m64 = build()
-for v, a in zip(m64.weights, w0): v.assign(a.astype("float64"))
-with tf.GradientTape() as t:
-    loss = tf.reduce_mean((m64(x.astype("float64"), training=True) - y) ** 2)
-g64 = [g.numpy() for g in t.gradient(loss, m64.trainable_variables)]
-def rel(a, b): return max(np.abs(p - q).max() / (np.abs(q).max() + 1e-30) for p, q in zip(a, b))
-print(policy, "loss plain", lp, "wrapped", lw)
-print("wrapped vs plain", rel(gw, gp), " plain vs f64", rel(gp, g64), " wrapped vs f64", rel(gw, g64))
+    return loss.numpy(), [g.numpy().astype("float64") for g in tape.gradient(loss, model.trainable_variables)]
+
+
+def relative(a, b) -> float:
+    return max(np.abs(p - q).max() / (np.abs(q).max() + 1e-30) for p, q in zip(a, b))
+
+
+def main(policy: str) -> None:
+    keras.mixed_precision.set_dtype_policy(policy)
+    x = np.random.default_rng(0).normal(size=(16, 20, 8)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 1)).astype("float32")
+    model = build()
+    weights = [v.numpy() for v in model.weights]
+    loss_plain, grads_plain = gradients(model, x, y)
+    for var, value in zip(model.weights, weights):
+        var.assign(value)
+    loss_wrapped, grads_wrapped = gradients(keras_lms.wrap(model, min_bytes=0, keep_last=0), x, y)
+    keras.mixed_precision.set_dtype_policy("float64")  # the reference: same weights, float64 throughout
+    reference = build()
+    for var, value in zip(reference.weights, weights):
+        var.assign(value.astype("float64"))
+    _, grads_64 = gradients(reference, x.astype("float64"), y.astype("float64"))
+    print(policy, "loss plain", loss_plain, "wrapped", loss_wrapped)
+    print("wrapped vs plain", relative(grads_wrapped, grads_plain), " plain vs f64", relative(grads_plain, grads_64),
+          " wrapped vs f64", relative(grads_wrapped, grads_64))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "mixed_float16")

@@ -1,6 +1,6 @@
 """How well does the static report predict a real step's memory? Measured on the CPU allocator.
 
-    python benchmarks/report_accuracy.py
+    python -m benchmarks.report_accuracy          # from the repository root
 
 For each model: the report's predicted device peak of a plain training step (weights + gradients + optimizer
 state + activations) vs the peak of TensorFlow's CPU allocator (``get_memory_info('CPU:0')``) measured over
@@ -10,21 +10,24 @@ one compiled training step (reset right before it). Prints both and the relative
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from rich.console import Console
+from rich.table import Table
 
-import keras_lms  # noqa: E402
-from benchmarks.cpu_overhead import make_step, resnetish  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
+import keras_lms
+
+try:
+    from benchmarks.cpu_overhead import make_step, resnetish
+    from examples.unet import build_unet
+except ModuleNotFoundError as err:  # run as a file: the repository root is not on sys.path
+    if err.name not in ("benchmarks", "examples"):
+        raise
+    raise SystemExit("run it from the repository root as a module: python -m benchmarks.report_accuracy ...") from err
 
 
 def measured_peak(model, x, y):

@@ -32,9 +32,11 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks import gpu_sim  # noqa: E402
+if __package__:  # python -m benchmarks.simulated_gpu_peak
+    from . import gpu_sim
+else:  # python benchmarks/simulated_gpu_peak.py: benchmarks/ is on sys.path
+    import gpu_sim
 
 gpu_sim.configure_logical_cpus()  # before TensorFlow initialises: /CPU:0 host, /CPU:1 the GPU stand-in
 

@@ -30,14 +30,14 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import keras
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import keras_lms  # noqa: E402
-from keras_lms.offload import torch as lms_torch  # noqa: E402
+import keras_lms
+from keras_lms.offload import torch as lms_torch
 
 MIB = float(1 << 20)
 

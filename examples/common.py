@@ -16,23 +16,24 @@ import math
 import os
 import pathlib
 import statistics
-import sys
 import time
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:  # `python examples/segmentation_3d.py` puts examples/, not the repo, on sys.path
-    sys.path.insert(0, str(_REPO))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from keras import ops  # noqa: E402
+import keras
+import numpy as np
+from keras import ops
 
-import keras_lms  # noqa: E402
-from examples import data as data_lib  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
+import keras_lms
+
+if __package__:  # imported as examples.common (python -m examples.segmentation_3d, the tests)
+    from . import data as data_lib
+    from .unet import build_unet
+else:  # python examples/segmentation_3d.py: examples/ is on sys.path
+    import data as data_lib
+    from unet import build_unet
 
 PACKAGE = "keras_lms_examples"
 CHECKPOINT = "checkpoint.keras"
@@ -85,7 +86,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                    help="tfdata: tf.data over the PyDataset (static batch shapes, so keras-lms plans for the real "
                         "batch size); pydataset: hand the PyDataset to Keras (its own workers/queue)")
     g.add_argument("--workers", type=int, default=2, help="parallel batch loaders (tf.data calls / PyDataset workers)")
-    g.add_argument("--use-multiprocessing", action="store_true", help="PyDataset workers are processes (--loader pydataset)")
+    g.add_argument("--use-multiprocessing", action="store_true",
+                   help="PyDataset workers are processes (--loader pydataset)")
     g.add_argument("--max-queue-size", type=int, default=4, help="batches prefetched per rank")
     g = p.add_argument_group("model")
     g.add_argument("--depth", type=int, default=task.default_depth, help="U-Net levels")
@@ -327,7 +329,7 @@ def build_model(args, task: Task, channels: int, rt: Runtime, restore: pathlib.P
     if restore is not None:
         try:
             loaded = keras.saving.load_model(restore)
-        except Exception as err:  # noqa: BLE001 - any failure to read it means the same thing to the user
+        except Exception as err:  # any failure to read it means the same thing to the user
             raise ResumeError(f"--resume: {restore} cannot be loaded ({type(err).__name__}: {err}). Delete it and "
                               f"{restore.with_name(STATE)} to start over.") from err
         base = keras_lms.unwrap(loaded) if isinstance(loaded, keras_lms.LMSModel) else loaded

@@ -320,7 +320,7 @@ def _read_file(path, read):
         return read(path)
     except (ImportError, DataFileError):
         raise
-    except Exception as err:  # noqa: BLE001 - every reader fails differently (EOFError, OSError, zlib.error, ...)
+    except Exception as err:  # every reader fails differently (EOFError, OSError, zlib.error, ...)
         raise DataFileError(f"cannot read {path}: {type(err).__name__}: {err}. The file is damaged or truncated; "
                             "replace it or remove the pair from --data-dir.") from err
 

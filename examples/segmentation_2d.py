@@ -10,12 +10,10 @@ coloured elliptical lesions; the label is the lesion mask). Same flags and artef
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from examples import common  # noqa: E402
+if __package__:  # python -m examples.segmentation_2d (or imported as examples.segmentation_2d)
+    from . import common
+else:  # python examples/segmentation_2d.py: examples/ is on sys.path
+    import common
 
 TASK = common.Task(
     name="segmentation_2d", kind="2d", size_flag="--image-size", default_size=2048, default_depth=4,

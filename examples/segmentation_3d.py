@@ -11,12 +11,10 @@ training_curves.png, activation_report.png/.txt, sample_prediction.png, summary.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from examples import common  # noqa: E402
+if __package__:  # python -m examples.segmentation_3d (or imported as examples.segmentation_3d)
+    from . import common
+else:  # python examples/segmentation_3d.py: examples/ is on sys.path
+    import common
 
 TASK = common.Task(
     name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,

@@ -1,6 +1,6 @@
 """MemoryHighWaterMark: memory high-water marks in the normal Keras logs.
 
-Writing into ``logs`` (instead of printing) means the numbers appear in History, the progress bar,
+Writing into `logs` (instead of printing) means the numbers appear in History, the progress bar,
 CSVLogger and TensorBoard with no extra code.
 """
 
@@ -17,23 +17,50 @@ KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
 
 
 class MemoryHighWaterMark(keras.callbacks.Callback):
-    """Log ``peak_device_mib``, ``peak_host_rss_mib`` and ``offloaded_mib`` (MiB, floats) per epoch.
+    """Write device and host memory high-water marks into the normal Keras logs.
+
+    Adds `peak_device_mib`, `peak_host_rss_mib` and `offloaded_mib` (MiB, floats) to every epoch's logs, so
+    they appear in `History`, the progress bar, `CSVLogger` and TensorBoard with no extra code. The device
+    peak is reset at the start of each epoch (or batch) and read at its end; the host peak is the process's
+    RSS high-water mark over the same span (Linux; the current RSS elsewhere). `offloaded_mib` is the host
+    memory the wrapped model's plan holds per step (`0` for an unwrapped model). The device peak is `nan`
+    when the back end keeps no allocator statistics (TensorFlow on CPU unless `TF_CPU_ALLOCATOR_USE_BFC=true`
+    is set before TensorFlow is imported; torch without CUDA); a warning says so once.
 
     Args:
-        device: the device whose allocator peak is read (default: first GPU, else the CPU allocator).
-        csv_path: also append one row per epoch (or per batch) to this CSV file (a str or path whose directory
-            exists and is writable; checked here and again when training begins). An existing non-empty file
-            is appended to without a second header.
-        per_batch: reset and read the peaks around every training batch and add the keys to batch logs too.
-        across_ranks: under Horovod with more than one rank, also log ``<key>_min`` / ``<key>_max`` over all
+        device: the device whose allocator peak is read, e.g. `"GPU:0"` (TensorFlow) or `"cuda:0"` (torch).
+            Defaults to the first GPU, else the CPU allocator.
+        csv_path: also append one row per epoch (or per batch) to this CSV file: a str or path in an existing,
+            writable directory (checked here and again when training begins). An existing non-empty file is
+            appended to without a second header. Defaults to `None` (no file).
+        per_batch: reset and read the peaks around every training batch and add the keys to the batch logs
+            too; the epoch's values are then the largest batch values. Defaults to `False`.
+        across_ranks: under Horovod with more than one rank, also log `<key>_min` / `<key>_max` over all
             ranks. This runs an allgather at every reading, so *every* rank must have the callback (not inside
-            ``keras_lms.horovod.rank0_only``, which refuses it). Default False: each rank logs only its own
-            readings and the callback runs no collective, so it is safe wherever it is placed.
+            `keras_lms.horovod.rank0_only`, which refuses it). Defaults to `False`: each rank logs only its own
+            readings and no collective runs, so the callback is safe wherever it is placed.
 
-    The device peak is reset at the start of each epoch (or batch) and read at its end. The host peak is the
-    process's RSS high-water mark over the same span (Linux). ``offloaded_mib`` is the host memory the
-    wrapped model's plan moves per step (0 for an unwrapped model). Under Horovod every rank measures its own
-    device; with ``across_ranks=True`` the min/max over ranks are added.
+    Raises:
+        TypeError: `device` is not a str, `per_batch` or `across_ranks` is not a bool, or `csv_path` is not a
+            path.
+        ValueError: `csv_path` is a directory.
+        FileNotFoundError: `csv_path`'s directory does not exist.
+        PermissionError: `csv_path` is not writable.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_lms
+
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
+    wrapped = keras_lms.wrap(model, min_bytes=0)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    history = wrapped.fit(np.zeros((8, 32)), np.zeros((8, 1)), batch_size=4, epochs=2, verbose=0,
+                          callbacks=[keras_lms.MemoryHighWaterMark()])
+    print(history.history["peak_host_rss_mib"], history.history["offloaded_mib"])
+    ```
     """
 
     def __init__(self, device: str | None = None, csv_path=None, per_batch: bool = False,
@@ -123,7 +150,7 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
 
 
 def _check_csv_path(csv_path) -> str:
-    """``csv_path`` as a str, or a clear error now instead of a failure at the end of the first epoch."""
+    """`csv_path` as a str, or a clear error now instead of a failure at the end of the first epoch."""
     if isinstance(csv_path, bool) or not isinstance(csv_path, (str, os.PathLike)):
         raise TypeError(
             f"csv_path must be a file path (str or pathlib.Path); got {csv_path!r} of type "
@@ -132,7 +159,8 @@ def _check_csv_path(csv_path) -> str:
     path = os.fspath(csv_path)
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ValueError(f"csv_path={path!r} is a directory; give a file name, e.g. {os.path.join(path, 'memory.csv')!r}.")
+        example = os.path.join(path, "memory.csv")
+        raise ValueError(f"csv_path={path!r} is a directory; give a file name, e.g. {example!r}.")
     if not os.path.isdir(directory):
         raise FileNotFoundError(
             f"csv_path={path!r}: the directory {directory!r} does not exist. Create it first "
@@ -144,7 +172,7 @@ def _check_csv_path(csv_path) -> str:
 
 
 def _across_ranks(values: dict) -> dict:
-    """min/max of each value over Horovod ranks (a collective: only with ``across_ranks=True``, on every rank)."""
+    """min/max of each value over Horovod ranks (a collective: only with `across_ranks=True`, on every rank)."""
     hvd = memory.initialized_horovod()
     if hvd is None or hvd.size() < 2:
         return {}

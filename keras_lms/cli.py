@@ -1,4 +1,4 @@
-"""The ``keras-lms`` command: ``keras-lms report MODEL.keras --batch-size N`` and ``keras-lms info``."""
+"""The `keras-lms` command: `keras-lms report MODEL.keras --batch-size N` and `keras-lms info`."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def _parse_input_shape(text: str | None):
 def _check_writable(path: str, flag: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise ValueError(f"{flag} {path!r} cannot be written: "
-                         + ("it is a directory" if os.path.isdir(path) else f"{directory!r} is not a writable directory")
-                         + f". Give a file path in an existing, writable directory, e.g. {flag} report.png.")
+        why = "it is a directory" if os.path.isdir(path) else f"{directory!r} is not a writable directory"
+        raise ValueError(f"{flag} {path!r} cannot be written: {why}. Give a file path in an existing, writable "
+                         f"directory, e.g. {flag} report.png.")
 
 
 def _load(path: str):

@@ -23,7 +23,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value, name: str) -> int:
-    """Turn ``1048576``, ``"1MiB"``, ``"6GiB"`` or ``"500MB"`` into a byte count (int >= 0)."""
+    """Turn `1048576`, `"1MiB"`, `"6GiB"` or `"500MB"` into a byte count (int >= 0); `name` is used in errors."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = operator.index(value)  # numpy / other integer-likes count as integers
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -46,7 +46,7 @@ def parse_bytes(value, name: str) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable binary size, e.g. ``format_bytes(3 << 20) == '3.0 MiB'``."""
+    """Human-readable binary size, e.g. `format_bytes(3 << 20) == '3.0 MiB'`."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -96,18 +96,58 @@ def _selectors(value, name: str):
 
 @dataclasses.dataclass(frozen=True)
 class LMSConfig:
-    """Settings for :func:`keras_lms.wrap`; every field is validated on construction.
+    """The validated settings of a wrapped model: what goes to host memory, and when it comes back.
 
-    Attributes:
-        min_bytes: input tensors smaller than this (per step) stay on the device; 0 offloads every
-            eligible tensor. An int or a size string such as ``"1MiB"``.
-        keep_last: the last N layer calls of the forward pass keep their inputs on the device (their
-            backward runs right after the forward, so a round trip would only cost time).
-        include / exclude: layer names, layer classes, or a predicate ``layer -> bool``. A name may also
-            be a nested model's name, meaning all its layers.
-        host_device: where offloaded tensors live; must be a CPU device that exists, e.g. ``"/CPU:0"``.
-        prefetch: start bringing a tensor back N layer calls before the backward pass needs it.
-        device_budget: bytes or a size string; see the planner (``keras_lms.policy``).
+    `keras_lms.wrap(model, **settings)` builds one from its keyword arguments; build it yourself to keep one set
+    of settings for several models, or to pass it to `keras_lms.report`. Every field is checked when the config
+    is created, so a bad value fails here with a message naming the fix, not later inside a traced training
+    step. The config is frozen (use `dataclasses.replace(config, ...)` for a changed copy) and is saved with
+    the wrapped model (`LMSModel.get_config()`).
+
+    Args:
+        min_bytes: layer inputs smaller than this (bytes per training step) stay on the device. An int, or a
+            size string such as `"1MiB"`, `"500MB"` or `"6GiB"`. `0` offloads every eligible tensor.
+            Defaults to `1 << 20` (1 MiB).
+        keep_last: the last `keep_last` layer calls of the forward pass keep their inputs on the device: their
+            backward runs right after the forward, so a round trip to the host would only cost time. `0` keeps
+            none. Defaults to `1`.
+        include: which layers may be offloaded: `None` (every layer), or a list of layer names, layer
+            classes (e.g. `keras.layers.Conv2D`) and predicates (`layer -> bool`). A name may be a nested
+            model's name, meaning all its layers. An empty list is refused (it would offload nothing).
+            Defaults to `None`.
+        exclude: layers never offloaded, in the same forms as `include`; it wins over `include`. `None` or
+            `[]` excludes nothing. Defaults to `None`.
+        host_device: the device that holds offloaded tensors: a CPU device that exists, e.g. `"/CPU:0"`.
+            Defaults to `"/CPU:0"`.
+        prefetch: the copy back to the device starts `prefetch` layer calls before the backward pass needs the
+            tensor; `0` starts it when the layer's gradient arrives. Defaults to `1`.
+        device_budget: `None` (offload by the rules above), or bytes / a size string such as `"6GiB"`: the
+            planner then offloads only what the predicted training step needs to fit (largest, longest-lived
+            tensors first; nothing when it fits anyway). Defaults to `None`.
+
+    Raises:
+        TypeError: a setting has the wrong type (e.g. `keep_last=1.5`, a layer object instead of its name in
+            `include`, `host_device=None`).
+        ValueError: a setting has an impossible value (e.g. `min_bytes=-1`, `"6 parsecs"`, `include=[]`,
+            `device_budget=0`, an empty `host_device`).
+
+    Example:
+
+    ```python
+    import dataclasses
+
+    import keras
+    import keras_lms
+
+    config = keras_lms.LMSConfig(min_bytes="64KiB", keep_last=0, exclude=[keras.layers.Dense])
+    print(config.min_bytes)                       # 65536
+    smaller = dataclasses.replace(config, min_bytes=0)
+
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(4, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    wrapped = keras_lms.wrap(model, config=smaller)
+    assert wrapped.lms_config is smaller
+    ```
     """
 
     min_bytes: int = 1 << 20
@@ -119,21 +159,32 @@ class LMSConfig:
     device_budget: int | None = None
 
     def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        def set_(key, value):  # the dataclass is frozen: normalised values are written once, here
+            object.__setattr__(self, key, value)
+
         set_("min_bytes", parse_bytes(self.min_bytes, "min_bytes"))
         set_("keep_last", _non_negative_int(self.keep_last, "keep_last", "Use 0 to offload the last layers too."))
         set_("prefetch", _non_negative_int(self.prefetch, "prefetch", "Use 0 to swap in when the gradient arrives."))
         set_("include", _selectors(self.include, "include"))
         set_("exclude", _selectors(self.exclude, "exclude"))
-        if not isinstance(self.host_device, str) or not self.host_device.strip():
+        if not isinstance(self.host_device, str):
             raise TypeError(f"host_device must be a device string such as '/CPU:0'; got {self.host_device!r}.")
+        if not self.host_device.strip():
+            raise ValueError(f"host_device must name a CPU device such as '/CPU:0'; got {self.host_device!r}.")
         if self.device_budget is not None:
             set_("device_budget", parse_bytes(self.device_budget, "device_budget"))
             if self.device_budget == 0:
                 raise ValueError("device_budget must be > 0 bytes; use None to disable the planner.")
 
     def to_dict(self) -> dict:
-        """JSON-friendly form for ``get_config``; predicates cannot be serialised and are refused."""
+        """The settings as a JSON-friendly dict (what `LMSModel.get_config()` saves).
+
+        Returns:
+            A dict with one key per field; layer classes in `include`/`exclude` become `{"class_name": ...}`.
+
+        Raises:
+            ValueError: `include` or `exclude` contains a predicate, which cannot be saved.
+        """
         out = dataclasses.asdict(self)
         for key in ("include", "exclude"):
             items = out[key]
@@ -154,7 +205,8 @@ class LMSConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LMSConfig":
+    def from_dict(cls, data: dict) -> LMSConfig:
+        """The inverse of `to_dict`: layer class names are looked up in `keras.layers` and Keras' registry."""
         data = dict(data)
         for key in ("include", "exclude"):
             if data.get(key) is not None:

@@ -1,9 +1,9 @@
 """Device and host memory readings per back end.
 
-Device: TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info``; on a CPU-only machine
-the CPU allocator, shared by all logical CPU devices) or ``torch.cuda.max_memory_allocated``.
-Host: the process's resident set size (psutil) and its high-water mark (Linux ``VmHWM``, which
-``/proc/self/clear_refs`` resets, so peaks can be taken per epoch or per batch).
+Device: TensorFlow's allocator statistics (`tf.config.experimental.get_memory_info`; on a CPU-only machine
+the CPU allocator, shared by all logical CPU devices) or `torch.cuda.max_memory_allocated`.
+Host: the process's resident set size (psutil) and its high-water mark (Linux `VmHWM`, which
+`/proc/self/clear_refs` resets, so peaks can be taken per epoch or per batch).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pathlib
 import keras
 import psutil
 
-log = logging.getLogger("keras_lms")
+log = logging.getLogger(__name__)  # "keras_lms.memory": propagates to the "keras_lms" logger
 MIB = float(1 << 20)
 _warned_no_stats = set()
 _STATUS = pathlib.Path("/proc/self/status")
@@ -64,7 +64,7 @@ def _warn_no_stats(device: str) -> None:
 
 
 def device_peak_bytes(device: str) -> int | None:
-    """Peak bytes allocated on ``device`` since the last reset, or None when the back end cannot tell."""
+    """Peak bytes allocated on `device` since the last reset, or None when the back end cannot tell."""
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -85,7 +85,7 @@ def host_rss_bytes() -> int:
 
 
 def host_peak_rss_bytes() -> int:
-    """Peak RSS since the last :func:`reset_host_peak` (Linux VmHWM); the current RSS elsewhere."""
+    """Peak RSS since the last `reset_host_peak` (Linux VmHWM); the current RSS elsewhere."""
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -109,7 +109,7 @@ def host_available_bytes() -> int:
 
 
 def initialized_horovod():
-    """``horovod.tensorflow`` when the program imported and initialised it, else None (never imports it)."""
+    """`horovod.tensorflow` when the program imported and initialised it, else None (never imports it)."""
     import sys
 
     hvd = sys.modules.get("horovod.tensorflow")
@@ -133,7 +133,7 @@ class HostMemoryError(MemoryError):
 
 
 def check_host_memory(host_bytes_per_step: int, headroom: float = 0.9) -> None:
-    """Refuse a plan whose host bytes (times the ranks on this node) exceed ``headroom`` of available RAM.
+    """Refuse a plan whose host bytes (times the ranks on this node) exceed `headroom` of available RAM.
 
     Better one clear message before the first step than the kernel's OOM killer in the middle of an epoch.
     """

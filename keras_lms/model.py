@@ -1,14 +1,15 @@
 """LMSModel: the Keras face of a wrapped model (call, compile, save/load, get_config).
 
-``LMSModel`` owns the original model as ``inner_model`` (weights shared, nothing copied). In training mode
+`LMSModel` owns the original model as `inner_model` (weights shared, nothing copied). In training mode
 each forward pass intercepts the inner model's layer calls and offloads their inputs to host memory
-(``keras_lms.offload``); inference (``predict``, ``evaluate``, ``training=False``) calls the inner model
+(`keras_lms.offload`); inference (`predict`, `evaluate`, `training=False`) calls the inner model
 directly, so it costs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import tempfile
@@ -33,9 +34,9 @@ XLA_MESSAGE = (
 def _backend():
     """The offload module of the active Keras back end.
 
-    Each provides: ``validate_host_device``, ``StepContext(config, structure, plan, eager)`` with
-    ``make_wrapper(unit, original)``, ``executing_eagerly``, ``signature_of``, ``trace_calls`` and
-    ``example_inputs``.
+    Each provides: `validate_host_device`, `StepContext(config, structure, plan, eager)` with
+    `make_wrapper(unit, original)`, `executing_eagerly`, `signature_of`, `trace_calls` and
+    `example_inputs`.
     """
     name = keras.backend.backend()
     if name == "tensorflow":
@@ -54,11 +55,50 @@ def _backend():
 
 @keras.saving.register_keras_serializable(package="keras_lms")
 class LMSModel(keras.Model):
-    """A keras.Model that trains ``inner_model`` with its large activations kept in host memory.
+    """A `keras.Model` that trains `inner_model` with its large activations kept in host memory.
 
-    Create it with :func:`keras_lms.wrap`. ``compile``/``fit``/``evaluate``/``predict``/``save`` work as
-    for any Keras model. A saved file loads back as an ``LMSModel`` when ``keras_lms`` is imported (the class
-    is registered as ``keras_lms>LMSModel``); ``keras_lms.unwrap(wrapped).save(...)`` saves the plain model.
+    Create it with `keras_lms.wrap(model, ...)` (or `LMSModel(model, config)`). `compile`, `fit`, `evaluate`,
+    `predict` and `save` work as for any Keras model; a model whose class overrides `train_step` /
+    `compute_loss` / `test_step` is trained by its own methods. Only training forward passes are offloaded:
+    inference calls `inner_model` directly.
+
+    A saved file loads back as an `LMSModel` when `keras_lms` is imported (the class is registered as
+    `keras_lms>LMSModel`); `keras_lms.unwrap(wrapped).save(...)` saves the plain model. Weights files
+    (`save_weights`) use the plain model's layout, so they load into either.
+
+    Args:
+        model: the built `keras.Model` to train (kept as `inner_model`; weights are shared).
+        config: the settings, a `keras_lms.LMSConfig`; `None` uses `LMSConfig()`'s defaults.
+        **kwargs: passed to `keras.Model` (e.g. `name`, default `"<model name>_lms"`).
+
+    Attributes:
+        inner_model: the wrapped `keras.Model`.
+        lms_config: the `LMSConfig` in effect.
+        lms_plan: one `keras_lms.PlanEntry` per layer call of the last traced training step (the plan at
+            batch size 1 before the first step).
+        offloaded_bytes_per_step: host bytes of the last traced training step.
+
+    Raises:
+        ValueError: `include`/`exclude` name a layer the model does not have, `host_device` is not an
+            existing CPU device, or (in `compile`) `jit_compile=True`.
+        keras_lms.BudgetError: `config.device_budget` cannot be met even for one sample.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_lms
+
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(256, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+    wrapped = keras_lms.LMSModel(model, keras_lms.LMSConfig(min_bytes=0, keep_last=0))
+    wrapped.compile(optimizer="sgd", loss="mse")
+    wrapped.fit(np.ones((16, 64)), np.ones((16, 1)), batch_size=8, verbose=0)
+    print([(entry.layer, entry.offloaded) for entry in wrapped.lms_plan])
+    print(wrapped.offloaded_bytes_per_step)       # bytes held in host memory per step
+    ```
     """
 
     def __init__(self, model: keras.Model, config: LMSConfig | None = None, **kwargs):
@@ -86,7 +126,7 @@ class LMSModel(keras.Model):
         return self._offloaded(lambda: self.inner_model(inputs, training=training, **kwargs), inputs, kwargs)
 
     def _offloaded(self, forward, inputs, kwargs):
-        """Run ``forward()`` (a training forward pass of the inner model) with its layer calls offloaded."""
+        """Run `forward()` (a training forward pass of the inner model) with its layer calls offloaded."""
         plan = self._plan_for(inputs, kwargs)
         ctx = self._offload.StepContext(self.lms_config, self._structure, plan, eager=self._offload.executing_eagerly())
         # A back end may need a scope around the forward pass (torch: release graph intermediates early).
@@ -101,13 +141,13 @@ class LMSModel(keras.Model):
         return outputs
 
     # ------------------------------------------------------- custom train steps
-    # Note: [custom train steps]. A model that overrides ``train_step``/``compute_loss``/``test_step``/...
+    # Note: [custom train steps]. A model that overrides `train_step`/`compute_loss`/`test_step`/...
     # must train exactly as it does unwrapped, so the wrapper runs the *inner model's own* methods (not
     # Keras' defaults, which would silently ignore the override). The inner model is compiled alongside the
-    # wrapper with the same optimizer object, loss and metrics, so ``self.optimizer``, ``self.compute_loss``
-    # and ``self.metrics`` inside the user's step mean what they mean unwrapped; and while the step runs, the
-    # inner model's ``call`` is shadowed so that every training forward pass (``self(x, training=True)``) is
-    # offloaded like ``LMSModel.call``.
+    # wrapper with the same optimizer object, loss and metrics, so `self.optimizer`, `self.compute_loss`
+    # and `self.metrics` inside the user's step mean what they mean unwrapped; and while the step runs, the
+    # inner model's `call` is shadowed so that every training forward pass (`self(x, training=True)`) is
+    # offloaded like `LMSModel.call`.
     @property
     def delegates_steps(self) -> bool:
         """True when the inner model overrides a train/test step hook, which the wrapper then runs."""
@@ -165,7 +205,7 @@ class LMSModel(keras.Model):
                 calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
             finally:
                 self._offload_depth -= 1
-            plan = policy.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
+            plan = planner.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
                                      static_bytes=self.static_bytes())
             memory.check_host_memory(policy.host_bytes_per_step(plan))
             self._plans[key] = plan
@@ -176,12 +216,12 @@ class LMSModel(keras.Model):
         return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        """``keras.Model.fit``; first notes the batch size that will arrive, which the offload plan needs.
+        """`keras.Model.fit`; first notes the batch size that will arrive, which the offload plan needs.
 
-        Keras traces the step with an unknown batch axis for ``tf.data`` without ``drop_remainder``, Python
+        Keras traces the step with an unknown batch axis for `tf.data` without `drop_remainder`, Python
         generators and PyDataset inputs; a plan sized for one sample would offload too little, report too
         little and skip the host-memory guard. The first batch is read ahead (a generator is given back with
-        that batch re-inserted; ``tf.data`` batches are at most as large as the first). When a generator later
+        that batch re-inserted; `tf.data` batches are at most as large as the first). When a generator later
         yields a larger batch, the step is re-planned (and re-checked against host memory) before the next step.
         """
         x, hint = _peek_batch_size(x, batch_size, self)
@@ -202,7 +242,7 @@ class LMSModel(keras.Model):
 
     @property
     def batch_size_hint(self):
-        """Batch size used for tensors whose batch axis is unknown when a step is traced (set by ``fit``)."""
+        """Batch size used for tensors whose batch axis is unknown when a step is traced (set by `fit`)."""
         return self._batch_hint
 
     @batch_size_hint.setter
@@ -214,7 +254,7 @@ class LMSModel(keras.Model):
             self._plans.clear()  # plans of unknown-batch signatures were sized with the old hint
 
     def plan(self, batch_size: int = 1) -> list:
-        """The offload plan for one training step at ``batch_size`` (one PlanEntry per layer call)."""
+        """The offload plan for one training step at `batch_size` (one PlanEntry per layer call)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
         specs = self._offload.example_inputs(self.inner_model, batch_size)
@@ -224,7 +264,7 @@ class LMSModel(keras.Model):
                 "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
             )
         calls = self._offload.trace_calls(self.inner_model, self._structure, specs, {})
-        return policy.build_plan(calls, self.lms_config, batch_size=batch_size, static_bytes=self.static_bytes())
+        return planner.build_plan(calls, self.lms_config, batch_size=batch_size, static_bytes=self.static_bytes())
 
     @property
     def lms_plan(self) -> list:
@@ -257,7 +297,7 @@ class LMSModel(keras.Model):
             self.inner_model.compile(**bound.arguments, jit_compile=False)
 
     def compile_from_config(self, config):
-        """Re-compile on load (Keras skips this for models that override ``compile``)."""
+        """Re-compile on load (Keras skips this for models that override `compile`)."""
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if hasattr(self, "optimizer") and self.built:
@@ -275,11 +315,11 @@ class LMSModel(keras.Model):
 
     # ------------------------------------------------------------------- saving
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """``keras.Model.save``, checked before any file is opened and written atomically.
+        """`keras.Model.save`, checked before any file is opened and written atomically.
 
-        Settings that cannot be saved (a predicate in include/exclude) and the legacy ``.h5`` format (which
-        cannot store a wrapped model) are refused before anything is written. A local ``.keras`` file is
-        written to a temporary file next to it and moved into place with ``os.replace``, so an interrupted
+        Settings that cannot be saved (a predicate in include/exclude) and the legacy `.h5` format (which
+        cannot store a wrapped model) are refused before anything is written. A local `.keras` file is
+        written to a temporary file next to it and moved into place with `os.replace`, so an interrupted
         save (a crash, a kill, a full disk) leaves the previous file intact.
         """
         path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
@@ -304,9 +344,9 @@ class LMSModel(keras.Model):
                 os.remove(tmp)
 
     # Note: [interchangeable weights files]. Weights files of a wrapped model use the layout of the plain
-    # model (its layers at the top, the optimizer next to them), so a ``save_weights`` file or a
-    # ``ModelCheckpoint(save_weights_only=True)`` of either loads into the other. Files written by keras-lms
-    # 0.1 (everything under ``inner_model/``) still load into a wrapped model.
+    # model (its layers at the top, the optimizer next to them), so a `save_weights` file or a
+    # `ModelCheckpoint(save_weights_only=True)` of either loads into the other. Files written by keras-lms
+    # 0.1 (everything under `inner_model/`) still load into a wrapped model.
     @contextlib.contextmanager
     def _inner_with_our_optimizer(self):
         optimizer = getattr(self, "optimizer", None)
@@ -316,7 +356,7 @@ class LMSModel(keras.Model):
             yield self.inner_model
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        """``keras.Model.save_weights`` in the layout of the plain model (interchangeable with it)."""
+        """`keras.Model.save_weights` in the layout of the plain model (interchangeable with it)."""
         with self._inner_with_our_optimizer() as inner:
             return inner.save_weights(filepath, overwrite=overwrite, **kwargs)
 
@@ -341,7 +381,7 @@ class LMSModel(keras.Model):
 
 
 def _saved_by_wrapper_0_1(filepath) -> bool:
-    """A ``.weights.h5`` file in the 0.1 layout of wrapped models (everything under ``inner_model/``)."""
+    """A `.weights.h5` file in the 0.1 layout of wrapped models (everything under `inner_model/`)."""
     path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else ""
     if not path.endswith(".weights.h5") or not os.path.exists(path):
         return False
@@ -355,18 +395,18 @@ def _saved_by_wrapper_0_1(filepath) -> bool:
 
 
 def custom_step_methods(model) -> list:
-    """The names in STEP_METHODS that ``model``'s class overrides (Keras' own models override none)."""
+    """The names in STEP_METHODS that `model`'s class overrides (Keras' own models override none)."""
     return [name for name in STEP_METHODS if getattr(type(model), name, None) is not getattr(keras.Model, name)]
 
 
 def _batch_size_of(x, batch_size):
-    """The batch size ``fit`` will use, when it can be known without consuming the data."""
+    """The batch size `fit` will use, when it can be known without consuming the data."""
     if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
         return batch_size
     if isinstance(x, keras.utils.PyDataset):
         try:
             first = x[0]
-        except Exception:  # noqa: BLE001 - a dataset that cannot be indexed up front: no hint
+        except Exception:  # a dataset that cannot be indexed up front: no hint
             return None
         return _leading_dim(first[0] if isinstance(first, tuple) else first)
     element_spec = getattr(x, "element_spec", None)  # tf.data.Dataset
@@ -406,7 +446,7 @@ class _Replan(keras.callbacks.Callback):
 
 
 def _peek_batch_size(x, batch_size, model):
-    """``(x, batch)``: the data to hand to Keras (a peeked generator re-assembled) and its batch size or None."""
+    """`(x, batch)`: the data to hand to Keras (a peeked generator re-assembled) and its batch size or None."""
     hint = _batch_size_of(x, batch_size)
     if hint is not None:
         return x, hint
@@ -433,27 +473,69 @@ def _leading_dim(inputs):
     return None
 
 
-_WRAP_DEFAULTS = dict(min_bytes=1 << 20, keep_last=1, include=None, exclude=None, host_device="/CPU:0",
-                      prefetch=1, device_budget=None)
+# wrap()'s keyword defaults are LMSConfig's field defaults: the settings have one set of defaults, in config.py.
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LMSConfig)}
 
 
-def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, host_device="/CPU:0", prefetch=1,
-         device_budget=None, config=None) -> LMSModel:
-    """Return an :class:`LMSModel` that trains ``model`` with its large activations offloaded to host memory.
+def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_last"], include=_DEFAULTS["include"],
+         exclude=_DEFAULTS["exclude"], host_device=_DEFAULTS["host_device"], prefetch=_DEFAULTS["prefetch"],
+         device_budget=_DEFAULTS["device_budget"], config=None) -> LMSModel:
+    """Wrap `model` so that training keeps its large activations in host memory.
+
+    During a training step every offloaded layer call copies its inputs to `host_device` in the forward pass;
+    its backward pass copies them back and recomputes the call, so the device holds the activations only
+    around their own use. The wrapped model computes exactly what `model` computes (the same loss, gradients,
+    BatchNorm statistics and Dropout masks); inference (`predict`, `evaluate`, `training=False`) calls `model`
+    directly. `wrapped.lms_plan` says for every layer call what is offloaded and why.
 
     Args:
-        model: a built ``keras.Model`` (Sequential, Functional, nested or subclassed).
-        min_bytes: input tensors smaller than this (bytes per step, or a size string like ``"1MiB"``) stay on
-            the device; 0 offloads every eligible tensor.
-        keep_last: the last N layer calls keep their inputs on the device (0 = none kept).
-        include / exclude: layer names (or nested model names), layer classes, or a predicate
-            ``layer -> bool``; only included and not excluded layers are offloaded.
-        host_device: the CPU device that holds offloaded tensors.
-        prefetch: swap-in starts N layer calls ahead in the backward pass (0 = when the gradient arrives).
-        device_budget: bytes or a size string (``"6GiB"``): offload only what the predicted step needs to fit
-            (largest, longest-lived tensors first; nothing when it fits anyway). Raises
-            ``keras_lms.planner.BudgetError`` naming the largest layer when even full offload cannot fit.
-        config: an :class:`LMSConfig` instead of the keyword arguments above.
+        model: a built `keras.Model`: Sequential, Functional, nested or subclassed. Its weights are shared
+            with the wrapper, not copied.
+        min_bytes: layer inputs smaller than this (bytes per training step, or a size string like `"1MiB"`)
+            stay on the device; `0` offloads every eligible tensor. Defaults to `1 << 20` (1 MiB).
+        keep_last: the last `keep_last` layer calls of the forward pass keep their inputs on the device (their
+            backward runs first). `0` keeps none. Defaults to `1`.
+        include: only these layers may be offloaded: layer names (or a nested model's name), layer classes,
+            or predicates `layer -> bool`. `None` (the default) considers every layer.
+        exclude: these layers are never offloaded (same forms as `include`; wins over it). Defaults to `None`.
+        host_device: the CPU device that holds offloaded tensors. Defaults to `"/CPU:0"`.
+        prefetch: the copy back starts `prefetch` layer calls ahead in the backward pass (`0`: when the
+            layer's gradient arrives). Defaults to `1`.
+        device_budget: `None`, or bytes / a size string such as `"6GiB"`: offload only what the predicted
+            training step needs to fit the budget (largest, longest-lived tensors first; nothing when it fits
+            anyway). Defaults to `None`.
+        config: a `keras_lms.LMSConfig` to use instead of the keyword settings above (pass one or the other).
+
+    Returns:
+        A `keras_lms.LMSModel` (a `keras.Model`): `compile`, `fit`, `evaluate`, `predict` and `save` work as
+        usual (`jit_compile=True` is refused: XLA ignores host placement).
+
+    Raises:
+        TypeError: `model` is not a `keras.Model`, `config` is not an `LMSConfig`, or a setting has the wrong
+            type (see `LMSConfig`).
+        ValueError: `model` is not built, is already wrapped or contains a wrapped model; `config` is given
+            together with keyword settings; a setting has an impossible value or names a layer the model does
+            not have; `host_device` is not an existing CPU device.
+        keras_lms.BudgetError: `device_budget` cannot be met even with every eligible tensor offloaded (the
+            message names the largest layer call).
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_lms
+
+    model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+    wrapped = keras_lms.wrap(model, min_bytes="16KiB")
+    wrapped.compile(optimizer="adam", loss="mse")
+    wrapped.fit(np.zeros((8, 32, 32, 3)), np.zeros((8, 1)), batch_size=4, epochs=1, verbose=0)
+    for entry in wrapped.lms_plan:
+        print(entry)
+    assert keras_lms.unwrap(wrapped) is model
+    ```
     """
     if isinstance(model, LMSModel):
         raise ValueError(
@@ -481,7 +563,7 @@ def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, h
     if config is not None:
         if not isinstance(config, LMSConfig):
             raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")
-        changed = sorted(k for k, v in given.items() if v != _WRAP_DEFAULTS[k])
+        changed = sorted(k for k, v in given.items() if v != _DEFAULTS[k])
         if changed:
             raise ValueError(f"Pass either config= or keyword settings, not both (got config and {changed}).")
     else:
@@ -490,7 +572,27 @@ def wrap(model, *, min_bytes=1 << 20, keep_last=1, include=None, exclude=None, h
 
 
 def unwrap(wrapped) -> keras.Model:
-    """The original model of a wrapped one (the same object: weights are shared)."""
+    """The original model of a wrapped one.
+
+    Args:
+        wrapped: a model returned by `keras_lms.wrap` (or loaded from a file it saved).
+
+    Returns:
+        The `keras.Model` that was wrapped: the same object, so its weights are the trained ones.
+
+    Raises:
+        TypeError: `wrapped` is not a `keras_lms.LMSModel`.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_lms
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert keras_lms.unwrap(keras_lms.wrap(model)) is model
+    ```
+    """
     if not isinstance(wrapped, LMSModel):
         raise TypeError(f"keras_lms.unwrap expects a model returned by keras_lms.wrap; got {type(wrapped).__name__}.")
     return wrapped.inner_model

@@ -39,7 +39,7 @@ import logging
 from keras_lms import layer_facts, policy
 from keras_lms.config import format_bytes
 
-log = logging.getLogger("keras_lms")
+log = logging.getLogger(__name__)
 
 # Safety margin on the activation peak for the planner's budget decisions only (not in reported predictions):
 # allocator rounding/fragmentation, cuDNN workspaces and early copies back, which the calibration reference
@@ -106,7 +106,8 @@ def _tensors(calls, batch_size):
     sizes_in, sizes_out, keys_out = [], [], []
     for i, call in enumerate(calls):
         sizes_in.append([policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)])
-        sizes_out.append([policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)])
+        sizes_out.append([policy.tensor_bytes(s, d, batch_size)
+                          for s, d in zip(call.output_shapes, call.output_dtypes)])
         keys = list(call.output_keys) or [("out", i, j) for j in range(len(call.output_shapes))]
         keys_out.append(keys)
     return sizes_in, sizes_out, keys_out

@@ -124,7 +124,8 @@ def decide(config: LMSConfig, unit, enclosing_models, index: int, total: int | N
     eligible = [rank >= 1 and size >= config.min_bytes and size > 0 for size, rank in zip(sizes, ranks)]
     if not any(eligible):
         largest = max(sizes) if sizes else 0
-        return CallDecision(none, f"kept: largest input {format_bytes(largest)} < min_bytes {format_bytes(config.min_bytes)}")
+        return CallDecision(none, f"kept: largest input {format_bytes(largest)} < min_bytes "
+                                  f"{format_bytes(config.min_bytes)}")
     moved = sum(s for s, e in zip(sizes, eligible) if e)
     return CallDecision(eligible, f"offloaded: {sum(eligible)} input tensor(s), {format_bytes(moved)}")
 

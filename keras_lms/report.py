@@ -267,7 +267,8 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     none = [[False] * len(row) for row in offloaded]
     plain = planner.simulate(calls, none, batch_size, config.prefetch, static)
     with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static)
-    rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class}, output_shape=list(map(list, e.output_shapes)),
+    rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
+                 output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,
                  offloaded_bytes=e.offloaded_bytes, reason=e.reason) for e in plan]
     saved_plain, saved_wrapped = _saved_bytes(calls, plan, batch_size)

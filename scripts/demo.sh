@@ -47,14 +47,4 @@ end=$(date +%s)
 
 echo
 echo "demo: finished in $((end - start)) s; summary ($OUT/summary.json):"
-"$PY" - "$OUT/summary.json" <<'PYEOF'
-import json, sys
-s = json.load(open(sys.argv[1]))
-def f(v, spec):
-    return "n/a" if v is None else format(v, spec)
-print(f"  final validation Dice  {f(s['final_dice'], '.3f')}  (IoU {f(s['final_iou'], '.3f')})")
-print(f"  throughput             {f(s['samples_per_s'], '.2f')} samples/s on {s['ranks']} ranks")
-print(f"  peak device memory     {f(s['peak_device_mib'], '.0f')} MiB/rank, peak host RSS {f(s['peak_host_rss_mib'], '.0f')} MiB/rank")
-print(f"  offloaded per step     {s['offloaded_mib_per_step']:.1f} MiB/rank")
-print("  artefacts              " + ", ".join(sorted(s["artefacts"])))
-PYEOF
+"$PY" examples/summary.py "$OUT"   # the example's own summary printer (examples/common.py: print_summary)

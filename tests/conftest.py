@@ -6,7 +6,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # callback and memory tests read them (keras_lms.memory warns and logs NaN without them).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-import pytest  # noqa: E402
+import pytest
 
 # The TensorFlow-backend suite (and the Horovod tests) are not collected in the torch run of `make test`;
 # tests/torch/ holds the torch-backend suite and is ignored unless KERAS_BACKEND=torch (its own conftest).

@@ -19,17 +19,17 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["KERAS_BACKEND"] = "tensorflow"
 
-from tests import executed_graph as eg  # noqa: E402
+from tests import executed_graph as eg
 
 eg.configure_two_cpus()
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import keras_lms  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
-from keras_lms.offload import tensorflow as tf_offload  # noqa: E402
-from tests import models  # noqa: E402
+import keras_lms
+from examples.unet import build_unet
+from keras_lms.offload import tensorflow as tf_offload
+from tests import models
 
 # Activations at least this large count (the models' smallest activations are >= 16 KiB; biases, BatchNorm
 # statistics and their reshapes are < 1 KiB).

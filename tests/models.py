@@ -309,7 +309,8 @@ ORACLE_CASES = {
     "multi_io": (multi_io, lambda: {"image": images(), "meta": _RNG.random((4, 5)).astype("float32")}),
     "losses_and_frozen": (losses_and_frozen, lambda: images()),
     "masked_sequence": (masked_sequence,
-                        lambda: np.concatenate([_RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)], 1).astype("int32")),
+                        lambda: np.concatenate([_RNG.integers(1, 20, (4, 8)), np.zeros((4, 4), int)],
+                                               1).astype("int32")),
     "subclassed": (subclassed, lambda: images()),
     # Issue 10: composite layers without `training`, deep supervision, attention dropout, 3D max pooling.
     "composite_block": (composite_block, lambda: _RNG.random((4, 6)).astype("float32")),

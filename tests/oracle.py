@@ -29,7 +29,7 @@ def train_step(model, x, y, graph=True):
             out = model(x, training=True)
             loss = _loss(out, y)
             if model.losses:
-                loss = loss + tf.add_n([tf.cast(l, loss.dtype) for l in model.losses])
+                loss = loss + tf.add_n([tf.cast(extra, loss.dtype) for extra in model.losses])
         grads = tape.gradient(loss, model.trainable_variables)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         return loss, grads, tf.nest.flatten(out)

@@ -1,4 +1,10 @@
-"""The numerics oracle on real architectures: keras.applications with weights=None at small inputs."""
+"""The numerics oracle on real architectures: the keras.applications zoo of tests/models.py (the same table and
+tolerances as the torch suite), weights=None at small inputs.
+
+DenseNet121 runs in float64: at 32x32 with batch 2 it has BatchNorm over 1x1 maps, whose float32 gradients are
+dominated by cancellation (|dL/dbeta| ~ 2e4 while dL/dgamma ~ 20), so any change in summation order moves them
+by ~1e-2 relative. In float64 the same comparison is exact to ~1e-10, which is the honest oracle for this model.
+"""
 
 import time
 
@@ -7,53 +13,41 @@ import numpy as np
 import pytest
 
 import keras_lms
+from tests import models
 from tests.oracle import assert_matches
-
-APPS = {
-    "MobileNetV2": (lambda: keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
-                                                           classes=5), 32),
-    "ResNet50": (lambda: keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=5), 32),
-    "EfficientNetB0": (lambda: keras.applications.EfficientNetB0(input_shape=(32, 32, 3), weights=None, classes=5), 32),
-    "VGG16": (lambda: keras.applications.VGG16(input_shape=(32, 32, 3), weights=None, classes=5), 32),
-    "ConvNeXtTiny": (lambda: keras.applications.ConvNeXtTiny(input_shape=(32, 32, 3), weights=None, classes=5), 32),
-}
 
 
 @pytest.fixture
-def float64():
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
+def dtype_policy(request):
+    dtype = request.param
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
     try:
-        yield
+        yield dtype
     finally:
         keras.config.set_floatx("float32")
         keras.config.set_dtype_policy("float32")
 
 
-@pytest.mark.slow
-def test_densenet121_matches_plain_in_float64(float64):
-    """DenseNet121 at 32x32 with batch 2 has BatchNorm over 1x1 maps: its float32 gradients are dominated by
-    cancellation (|dL/dbeta| ~ 2e4 while dL/dgamma ~ 20), so any change in summation order moves them by ~1e-2
-    relative. In float64 the same comparison is exact to ~1e-10, which is the honest oracle for this model."""
-    keras.utils.set_random_seed(0)
-    model = keras.applications.DenseNet121(input_shape=(32, 32, 3), weights=None, classes=5)
-    x = np.random.default_rng(0).random((2, 32, 32, 3)).astype("float64")
-    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1)
-    result = assert_matches(model, wrapped, x, tol=1e-8)
-    assert sum(e.offloaded for e in wrapped.lms_plan) > 300
-    assert max(result["grads"].values()) < 1e-8
+# Open: on TensorFlow the recompute of MobileNetV3's hard_swish Activation layers is not bit-identical to the
+# plain graph (excluding Activation layers makes the model exact): 1.6e-5 relative on the first kernel in
+# float32, 3.6e-14 in float64, so it is float32 rounding, not a wrong gradient; the cause is not found yet.
+_OPEN = {"MobileNetV3Small": "hard_swish recompute differs by float32 rounding (1.6e-5; float64 3.6e-14), cause open"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(APPS))
-def test_application_matches_plain(name):
-    build, size = APPS[name]
+@pytest.mark.parametrize("name,dtype_policy", [
+    pytest.param(n, models.APPLICATIONS[n][2],
+                 marks=[pytest.mark.xfail(strict=True, reason=_OPEN[n])] if n in _OPEN else ())
+    for n in sorted(models.APPLICATIONS)], indirect=["dtype_policy"])
+def test_application_matches_plain(name, dtype_policy):
+    build, size, dtype, tol = models.APPLICATIONS[name]
     keras.utils.set_random_seed(0)
     model = build()
-    x = np.random.default_rng(0).random((2, size, size, 3)).astype("float32")
+    x = np.random.default_rng(0).random((2, size, size, 3)).astype(dtype)
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1)
     start = time.perf_counter()
-    result = assert_matches(model, wrapped, x, tol=1e-5)
+    result = assert_matches(model, wrapped, x, tol=tol)
     offloaded = sum(e.offloaded for e in wrapped.lms_plan)
     assert offloaded >= len(wrapped.lms_plan) // 2
     print(f"{name}: {len(wrapped.lms_plan)} calls, {offloaded} offloaded, max grad rel err "

@@ -150,3 +150,13 @@ def test_cli_report_and_info(tmp_path):
     bad = subprocess.run(cmd + ["report", str(tmp_path / "missing.keras"), "--batch-size", "1"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "no such model file" in bad.stderr
+
+
+def test_uncalled_sequential_with_input_is_reported_and_planned():
+    """``model.input`` raises on a Sequential built with keras.Input that was never called; its inputs are known."""
+    model = keras.Sequential([keras.Input((64, 64, 3)), keras.layers.Conv2D(8, 3, padding="same"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+    rep = keras_lms.report(model, batch_size=4)
+    assert rep.rows and rep.totals["predicted_peak_bytes_plain"] > 0
+    wrapped = keras_lms.wrap(model, min_bytes=0, device_budget="1GiB")
+    assert wrapped.lms_plan

@@ -1,33 +1,36 @@
 """Data-parallel training with Horovod for Keras 3 (TensorFlow backend), LMS-wrapped models included.
 
-Usage (launch with ``horovodrun -np N python train.py`` or ``mpirun -np N python train.py``)::
+Usage (launch with `horovodrun -np N python train.py` or `mpirun -np N python train.py`; a complete script is
+examples/quickstart_horovod.py):
 
-    import keras, keras_lms
-    import keras_lms.horovod as lhvd
+```python
+import keras, keras_lms
+import keras_lms.horovod as lhvd
 
-    lhvd.init()                                    # before building any model (pins GPU, host memory)
-    model = keras_lms.wrap(build_model())
-    model.compile(optimizer=lhvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * lhvd.size())),
-                  loss="mse", jit_compile=False)
-    callbacks = [lhvd.BroadcastGlobalVariablesCallback(0), lhvd.MetricAverageCallback(),
-                 lhvd.LearningRateWarmupCallback(initial_lr=0.01 * lhvd.size(), warmup_epochs=2)]
-    callbacks += lhvd.rank0_only([keras.callbacks.ModelCheckpoint("ckpt.keras")])
-    model.fit(shard_of_data, callbacks=callbacks, verbose=lhvd.fit_verbose(1))
+lhvd.init()                                    # before building any model (pins GPU, host memory)
+model = keras_lms.wrap(build_model())
+model.compile(optimizer=lhvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * lhvd.size())),
+              loss="mse", jit_compile=False)
+callbacks = [lhvd.BroadcastGlobalVariablesCallback(0), lhvd.MetricAverageCallback(),
+             lhvd.LearningRateWarmupCallback(initial_lr=0.01 * lhvd.size(), warmup_epochs=2)]
+callbacks += lhvd.rank0_only([keras.callbacks.ModelCheckpoint("ckpt.keras")])
+model.fit(shard_of_data, callbacks=callbacks, verbose=lhvd.fit_verbose(1))
+```
 
-Horovod's Keras names are here too (``allreduce``, ``allgather``, ``broadcast``, ``reducescatter``,
-``Average``/``Sum``/``Adasum``, ``Compression``, ``ProcessSet``, ``shutdown``, ``cross_rank``, timelines,
-``PartialDistributedOptimizer``, ``BestModelCheckpoint``), with Horovod's argument order, so a Horovod Keras
-script runs with ``import keras_lms.horovod as hvd``; docs/horovod.md lists what deliberately differs.
+Horovod's Keras names are here too (`allreduce`, `allgather`, `broadcast`, `reducescatter`,
+`Average`/`Sum`/`Adasum`, `Compression`, `ProcessSet`, `shutdown`, `cross_rank`, timelines,
+`PartialDistributedOptimizer`, `BestModelCheckpoint`), with Horovod's argument order, so a Horovod Keras
+script runs with `import keras_lms.horovod as hvd`; docs/horovod.md lists what deliberately differs.
 
-Why not ``horovod.tensorflow.keras``: on Keras 3 its DistributedOptimizer silently skips the averaging
-(Keras 3 calls ``optimizer.apply`` directly) and its callbacks raise. This package is built only on
-``horovod.tensorflow`` core ops. See docs/horovod.md.
+Why not `horovod.tensorflow.keras`: on Keras 3 its DistributedOptimizer silently skips the averaging
+(Keras 3 calls `optimizer.apply` directly) and its callbacks raise. This package is built only on
+`horovod.tensorflow` core ops. See docs/horovod.md.
 
-Importing it without a working Horovod raises ImportError naming ``make install`` /
-``scripts/install_horovod.sh``.
+Importing it without a working Horovod raises ImportError naming `make install` /
+`scripts/install_horovod.sh`.
 """
 
-from ._hvd import _INSTALL_HINT  # noqa: F401  (raises ImportError with install instructions first)
+from ._hvd import _INSTALL_HINT  # noqa: F401 - raises ImportError with install instructions first
 from .callbacks import (
     BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
@@ -50,9 +53,9 @@ from .ops import (
     ccl_built,
     cuda_built,
     ddl_built,
+    global_process_set,
     gloo_built,
     gloo_enabled,
-    global_process_set,
     is_initialized,
     mpi_built,
     mpi_enabled,

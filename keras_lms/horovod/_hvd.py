@@ -1,12 +1,12 @@
-"""The one place that imports ``horovod.tensorflow`` (and fails with a useful message).
+"""The one place that imports `horovod.tensorflow` (and fails with a useful message).
 
-Why a separate module: every other module here imports ``hvd`` from this one, so a missing or broken Horovod
-build produces a single, actionable ``ImportError`` instead of a raw ``NotFoundError`` from
-``tf.load_op_library`` deep inside Horovod.
+Why a separate module: every other module here imports `hvd` from this one, so a missing or broken Horovod
+build produces a single, actionable `ImportError` instead of a raw `NotFoundError` from
+`tf.load_op_library` deep inside Horovod.
 
-We only use Horovod's *core* TensorFlow ops (``init``, ``size``/``rank``, ``grouped_allreduce``,
-``allreduce``, ``broadcast``, ``Compression``); nothing from ``horovod.tensorflow.keras`` or
-``horovod._keras``, which target tf.keras 2 and are broken on Keras 3 (see docs/horovod.md).
+We only use Horovod's *core* TensorFlow ops (`init`, `size`/`rank`, `grouped_allreduce`,
+`allreduce`, `broadcast`, `Compression`); nothing from `horovod.tensorflow.keras` or
+`horovod._keras`, which target tf.keras 2 and are broken on Keras 3 (see docs/horovod.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _BITCAST = {tf.uint32: tf.int32, tf.uint64: tf.int64, tf.bfloat16: tf.int16}
 
 
 def to_wire(t: tf.Tensor) -> tf.Tensor:
-    """Return ``t`` in a dtype Horovod can broadcast (bit-exact, reversible with :func:`from_wire`)."""
+    """Return `t` in a dtype Horovod can broadcast (bit-exact, reversible with `from_wire`)."""
     if t.dtype in _WIRE_DTYPES:
         return t
     if t.dtype in _BITCAST:
@@ -59,10 +59,10 @@ def from_wire(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 def in_xla_context() -> bool:
-    """True while tracing a function compiled with XLA (``jit_compile=True``).
+    """True while tracing a function compiled with XLA (`jit_compile=True`).
 
     Horovod 0.28.1 as built by scripts/install_horovod.sh has no XLA kernels for its collectives (the
-    ``xla_mpi_ops.cc`` file is dropped to compile against TF >= 2.19), so an allreduce inside an XLA
+    `xla_mpi_ops.cc` file is dropped to compile against TF >= 2.19), so an allreduce inside an XLA
     cluster cannot work; callers use this to fail with a clear message instead of an XLA compile error.
     """
     try:

@@ -1,11 +1,11 @@
-"""Keras 3 callbacks for Horovod training, on ``hvd.broadcast`` / ``hvd.allreduce`` only.
+"""Keras 3 callbacks for Horovod training, on `hvd.broadcast` / `hvd.allreduce` only.
 
-Why not ``horovod.tensorflow.keras.callbacks``: those target tf.keras 2 and fail on Keras 3 (they call
-``optimizer.variables()`` as a method, use ``optimizer.lr`` and ``keras.backend.get_value/set_value``, and
-fall back to ``get_session()``). These re-implementations keep Horovod's names, arguments and formulas.
+Why not `horovod.tensorflow.keras.callbacks`: those target tf.keras 2 and fail on Keras 3 (they call
+`optimizer.variables()` as a method, use `optimizer.lr` and `keras.backend.get_value/set_value`, and
+fall back to `get_session()`). These re-implementations keep Horovod's names, arguments and formulas.
 
-Ordering: Keras calls callbacks in list order, so put :class:`MetricAverageCallback` before callbacks that read
-epoch logs (ModelCheckpoint, CSVLogger, EarlyStopping, ReduceLROnPlateau). The ``History`` returned by ``fit``
+Ordering: Keras calls callbacks in list order, so put `MetricAverageCallback` before callbacks that read
+epoch logs (ModelCheckpoint, CSVLogger, EarlyStopping, ReduceLROnPlateau). The `History` returned by `fit`
 is appended by Keras after your callbacks and therefore records averaged values.
 """
 
@@ -20,11 +20,11 @@ from ._hvd import from_wire, hvd, tf, to_wire
 
 
 def broadcast_variables(variables, root_rank: int = 0, device: str = "") -> None:
-    """Overwrite ``variables`` on every rank with their values on ``root_rank`` (by value, in place).
+    """Overwrite `variables` on every rank with their values on `root_rank` (by value, in place).
 
-    All broadcasts are issued inside one ``tf.function`` so Horovod can fuse them, with explicit names that
-    are identical on every rank (the variable's position in the list). ``device``: where the broadcast ops
-    are placed (``""``: Horovod's choice).
+    All broadcasts are issued inside one `tf.function` so Horovod can fuse them, with explicit names that
+    are identical on every rank (the variable's position in the list). `device`: where the broadcast ops
+    are placed (`""`: Horovod's choice).
     """
     variables = list(variables)
     if not variables or hvd.size() == 1:
@@ -42,7 +42,7 @@ def broadcast_variables(variables, root_rank: int = 0, device: str = "") -> None
 
 
 def _variable_id(v) -> int:
-    """Identity of a Keras or TensorFlow variable (a keras.Variable wraps a tf.Variable in ``.value``)."""
+    """Identity of a Keras or TensorFlow variable (a keras.Variable wraps a tf.Variable in `.value`)."""
     return id(v.value) if isinstance(v, keras.Variable) else id(v)
 
 
@@ -58,10 +58,10 @@ def check_steps_agree(params, name: str) -> bool:
     """Fail on every rank, before the first step, if the ranks would run different numbers of steps.
 
     With a DistributedOptimizer every training step is an allreduce; a rank with fewer batches per epoch
-    leaves the others waiting in a collective it never joins (a hang). ``fit``'s ``params`` know the steps
-    per epoch when the data has a length (arrays, ``PyDataset``, ``tf.data`` with known cardinality,
-    ``steps_per_epoch``); one allgather compares them. Returns True when every rank knows (and they agree);
-    unknown lengths (generators) are checked at every epoch end instead (:func:`end_of_epoch_marker`).
+    leaves the others waiting in a collective it never joins (a hang). `fit`'s `params` know the steps
+    per epoch when the data has a length (arrays, `PyDataset`, `tf.data` with known cardinality,
+    `steps_per_epoch`); one allgather compares them. Returns True when every rank knows (and they agree);
+    unknown lengths (generators) are checked at every epoch end instead (`end_of_epoch_marker`).
     """
     if hvd.size() == 1:
         return True
@@ -112,7 +112,7 @@ def _per_rank(values) -> str:
 
 
 class _CollectiveCallback(keras.callbacks.Callback):
-    """A callback that runs Horovod collectives: every rank must have it (``rank0_only`` refuses it)."""
+    """A callback that runs Horovod collectives: every rank must have it (`rank0_only` refuses it)."""
 
     _hvd_collective = True
 
@@ -120,21 +120,21 @@ class _CollectiveCallback(keras.callbacks.Callback):
 class BroadcastGlobalVariablesCallback(_CollectiveCallback):
     """Make every rank start from the root rank's weights and optimizer state.
 
-    Broadcasts ``model.weights`` (trainable and non-trainable, e.g. BatchNorm statistics) and
-    ``optimizer.variables`` (slots, iteration counter, learning rate) once, at the beginning of the first
-    training batch, i.e. after ``fit`` has built the model and before the first update. If the optimizer is not
-    built yet it is built first (``optimizer.build(model.trainable_variables)``), so its slots exist and are
-    broadcast too. Random-generator state (``SeedGenerator``) is *not* broadcast: ranks keep independent
+    Broadcasts `model.weights` (trainable and non-trainable, e.g. BatchNorm statistics) and
+    `optimizer.variables` (slots, iteration counter, learning rate) once, at the beginning of the first
+    training batch, i.e. after `fit` has built the model and before the first update. If the optimizer is not
+    built yet it is built first (`optimizer.build(model.trainable_variables)`), so its slots exist and are
+    broadcast too. Random-generator state (`SeedGenerator`) is *not* broadcast: ranks keep independent
     dropout/augmentation randomness.
 
     At the start of training it also checks that every rank will run the same number of batches per epoch
-    and epochs (:func:`check_steps_agree`) and raises ``ValueError`` on every rank if not, instead of hanging;
+    and epochs (`check_steps_agree`) and raises `ValueError` on every rank if not, instead of hanging;
     when the counts are unknown up front (generators), it checks at every epoch end
-    (:func:`end_of_epoch_marker`).
+    (`end_of_epoch_marker`).
 
     Args:
         root_rank: the rank whose values are sent.
-        device: where the broadcast ops are placed (``""``: Horovod's choice), as in Horovod.
+        device: where the broadcast ops are placed (`""`: Horovod's choice), as in Horovod.
         local_variables: a variable or list of variables that are *not* broadcast (worker-local state).
 
     Use it whenever ranks might not start from identical weights (different seeds, a checkpoint restored on
@@ -155,7 +155,7 @@ class BroadcastGlobalVariablesCallback(_CollectiveCallback):
             self.register_local_var(var)
 
     def register_local_var(self, var) -> None:
-        """Do not broadcast ``var`` (Horovod's ``register_local_var``)."""
+        """Do not broadcast `var` (Horovod's `register_local_var`)."""
         if not isinstance(var, (keras.Variable, tf.Variable)):
             raise ValueError(f"local variables must be keras.Variable or tf.Variable objects; got {type(var).__name__}")
         self._local_ids.add(_variable_id(var))
@@ -182,17 +182,17 @@ class BroadcastGlobalVariablesCallback(_CollectiveCallback):
 
 
 class MetricAverageCallback(_CollectiveCallback):
-    """Replace each numeric epoch log (``loss``, metrics, ``val_*``) by its mean over all ranks.
+    """Replace each numeric epoch log (`loss`, metrics, `val_*`) by its mean over all ranks.
 
-    Keras computes metrics on each rank's own data only. At ``on_epoch_end`` this callback allreduces all
-    scalar logs in one float64 ``hvd.allreduce`` (keys sorted, so every rank packs the same order) and writes
-    the averages back into the same ``logs`` dict, which later callbacks and ``History`` then see.
+    Keras computes metrics on each rank's own data only. At `on_epoch_end` this callback allreduces all
+    scalar logs in one float64 `hvd.allreduce` (keys sorted, so every rank packs the same order) and writes
+    the averages back into the same `logs` dict, which later callbacks and `History` then see.
     Non-numeric entries are left alone. Every rank must log the same keys (they do, for the same model).
-    Like :class:`BroadcastGlobalVariablesCallback` it checks that every rank runs the same number of batches
+    Like `BroadcastGlobalVariablesCallback` it checks that every rank runs the same number of batches
     per epoch (at train begin, or at each epoch end before averaging when the counts are unknown up front).
 
     Args:
-        device: where the allreduce is placed (``""``: Horovod's choice), as in Horovod.
+        device: where the allreduce is placed (`""`: Horovod's choice), as in Horovod.
     """
 
     def __init__(self, device: str = ""):
@@ -247,9 +247,9 @@ def _settable_lr_optimizer(model):
 
 
 def _momentum_buffers(opt):
-    """Variables holding ``lr``-scaled momentum: SGD ``momentums``, RMSprop ``_momentums``.
+    """Variables holding `lr`-scaled momentum: SGD `momentums`, RMSprop `_momentums`.
 
-    Keras 3 SGD/RMSprop keep the momentum *coefficient* as a Python float that ``fit``'s ``tf.function``
+    Keras 3 SGD/RMSprop keep the momentum *coefficient* as a Python float that `fit`'s `tf.function`
     bakes into the graph, so Horovod's trick (temporarily multiply the coefficient by new_lr/old_lr for one
     batch) cannot work. Scaling the momentum buffers by new_lr/old_lr before the update is mathematically
     the same step (Goyal et al. 2017, sec. 2.1 "momentum correction") and works with compiled steps.
@@ -265,20 +265,20 @@ def _momentum_buffers(opt):
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Set ``lr = initial_lr * multiplier(epoch)`` for ``start_epoch <= epoch < end_epoch`` (Horovod semantics).
+    """Set `lr = initial_lr * multiplier(epoch)` for `start_epoch <= epoch < end_epoch` (Horovod semantics).
 
     Args:
-        initial_lr: base learning rate (usually already scaled by ``size()``).
-        multiplier: a constant ``m`` (exponential decay: ``m ** (epoch - start_epoch)``) or ``fn(epoch)``.
-        start_epoch, end_epoch: epochs where the schedule applies (``end_epoch`` exclusive, None = forever).
+        initial_lr: base learning rate (usually already scaled by `size()`).
+        multiplier: a constant `m` (exponential decay: `m ** (epoch - start_epoch)`) or `fn(epoch)`.
+        start_epoch, end_epoch: epochs where the schedule applies (`end_epoch` exclusive, None = forever).
         staircase: True adjusts once at the first batch of each epoch with the integer epoch; False adjusts at
-            every batch with the fractional epoch ``epoch + batch / steps_per_epoch``.
+            every batch with the fractional epoch `epoch + batch / steps_per_epoch`.
         momentum_correction: when the lr changes, scale SGD/RMSprop momentum buffers by new_lr/old_lr.
-        steps_per_epoch: needed with ``staircase=False``; taken from ``fit``'s ``params['steps']`` if None.
+        steps_per_epoch: needed with `staircase=False`; taken from `fit`'s `params['steps']` if None.
 
-    The current learning rate is added to the epoch logs as ``learning_rate``.
-    Raises ``ValueError`` at the start of training if the optimizer's learning rate is a
-    ``LearningRateSchedule`` (not settable).
+    The current learning rate is added to the epoch logs as `learning_rate`.
+    Raises `ValueError` at the start of training if the optimizer's learning rate is a
+    `LearningRateSchedule` (not settable).
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
@@ -338,15 +338,15 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Gradual warm-up (Goyal et al. 2017) from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``.
+    """Gradual warm-up (Goyal et al. 2017) from `initial_lr / size` to `initial_lr` over `warmup_epochs`.
 
-    Horovod 0.28.1's formula, adjusted at the start of every batch of the first ``warmup_epochs`` epochs::
+    Horovod 0.28.1's formula, adjusted at the start of every batch of the first `warmup_epochs` epochs::
 
         e  = epoch + batch / steps_per_epoch + 1 / steps_per_epoch
         lr = initial_lr / size * (e * (size - 1) / warmup_epochs + 1)
 
-    so the last batch of epoch ``warmup_epochs - 1`` runs at exactly ``initial_lr``, which then stays set.
-    ``initial_lr`` is the *scaled* rate (e.g. ``0.01 * size()``). With one rank lr is constant.
+    so the last batch of epoch `warmup_epochs - 1` runs at exactly `initial_lr`, which then stays set.
+    `initial_lr` is the *scaled* rate (e.g. `0.01 * size()`). With one rank lr is constant.
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
@@ -367,13 +367,13 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Save the model whenever ``monitor`` improves, on the root rank only (Horovod's ``BestModelCheckpoint``).
+    """Save the model whenever `monitor` improves, on the root rank only (Horovod's `BestModelCheckpoint`).
 
-    Horovod's arguments and order (``monitor='val_loss', verbose=0, save_weights_only=False, mode='auto',
-    save_freq='epoch'``); it is ``keras.callbacks.ModelCheckpoint(save_best_only=True)``. Horovod leaves the
-    path to its Spark/Ray estimators; here pass ``filepath=`` (a ``.keras`` file, or ``.weights.h5`` with
-    ``save_weights_only``) or set ``callback.filepath`` before ``fit``. Only rank 0 writes (every rank may keep
-    the callback: it runs no collective); put it after :class:`MetricAverageCallback` so it compares averaged
+    Horovod's arguments and order (`monitor='val_loss', verbose=0, save_weights_only=False, mode='auto',
+    save_freq='epoch'`); it is `keras.callbacks.ModelCheckpoint(save_best_only=True)`. Horovod leaves the
+    path to its Spark/Ray estimators; here pass `filepath=` (a `.keras` file, or `.weights.h5` with
+    `save_weights_only`) or set `callback.filepath` before `fit`. Only rank 0 writes (every rank may keep
+    the callback: it runs no collective); put it after `MetricAverageCallback` so it compares averaged
     values.
     """
 

@@ -1,8 +1,8 @@
-"""Horovod's Keras-level names, so ``import keras_lms.horovod as hvd`` works in a Horovod Keras script.
+"""Horovod's Keras-level names, so `import keras_lms.horovod as hvd` works in a Horovod Keras script.
 
-``allreduce``/``allgather``/``broadcast``/``reducescatter`` take any tensor-compatible value (numbers, lists,
-NumPy arrays, tensors) and return a ``tf.Tensor``, with the arguments of ``horovod.tensorflow.keras``
-(0.28.1). One difference: ``name`` names the *collective* (Horovod's Keras layer gives it to a constant it
+`allreduce`/`allgather`/`broadcast`/`reducescatter` take any tensor-compatible value (numbers, lists,
+NumPy arrays, tensors) and return a `tf.Tensor`, with the arguments of `horovod.tensorflow.keras`
+(0.28.1). One difference: `name` names the *collective* (Horovod's Keras layer gives it to a constant it
 creates, and the collective is then named after that constant, so the names and their ordering still have
 to match across ranks). The constants and process-set functions are Horovod's own objects.
 """
@@ -37,31 +37,31 @@ rocm_built = hvd.rocm_built
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
-    """Reduce ``value`` over all ranks (``op``: ``Average`` by default, or ``Sum``); same shape everywhere."""
+    """Reduce `value` over all ranks (`op`: `Average` by default, or `Sum`); same shape everywhere."""
     return hvd.allreduce(tf.convert_to_tensor(value), average=average, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, op=op, compression=compression, name=name,
                          ignore_name_scope=name is not None)
 
 
 def allgather(value, name=None):
-    """Concatenate ``value`` of every rank along the first axis (the first dimension may differ)."""
+    """Concatenate `value` of every rank along the first axis (the first dimension may differ)."""
     return hvd.allgather(tf.convert_to_tensor(value), name=name, ignore_name_scope=name is not None)
 
 
 def broadcast(value, root_rank, name=None):
-    """``value`` of ``root_rank`` on every rank."""
+    """`value` of `root_rank` on every rank."""
     return hvd.broadcast(tf.convert_to_tensor(value), root_rank, name=name, ignore_name_scope=name is not None)
 
 
 def reducescatter(value, name=None, op=Average):
-    """Reduce ``value`` over all ranks and give each rank its slice of the first axis."""
+    """Reduce `value` over all ranks and give each rank its slice of the first axis."""
     return hvd.reducescatter(tf.convert_to_tensor(value), op=op, name=name, ignore_name_scope=name is not None)
 
 
 def broadcast_global_variables(root_rank):
     """Not available in TensorFlow 2 / Keras 3: there is no collection of "global variables" to broadcast.
 
-    Horovod's own version raises in eager mode, too. Raises ``RuntimeError`` naming the replacements.
+    Horovod's own version raises in eager mode, too. Raises `RuntimeError` naming the replacements.
     """
     raise RuntimeError(
         "broadcast_global_variables() has no meaning in TensorFlow 2 / Keras 3 (there is no global variable "

@@ -1,24 +1,24 @@
-"""``DistributedOptimizer``: average gradients across ranks inside ``Optimizer.apply``.
+"""`DistributedOptimizer`: average gradients across ranks inside `Optimizer.apply`.
 
-Why not ``horovod.tensorflow.keras.DistributedOptimizer``: it was written for tf.keras 2, where ``fit`` called
-``optimizer.get_gradients``/``_compute_gradients`` and Horovod averaged there. Keras 3's ``train_step`` computes
-gradients with its own ``GradientTape`` and calls ``optimizer.apply_gradients`` -> ``optimizer.apply`` directly,
+Why not `horovod.tensorflow.keras.DistributedOptimizer`: it was written for tf.keras 2, where `fit` called
+`optimizer.get_gradients`/`_compute_gradients` and Horovod averaged there. Keras 3's `train_step` computes
+gradients with its own `GradientTape` and calls `optimizer.apply_gradients` -> `optimizer.apply` directly,
 so Horovod's hook never runs and every rank silently trains on its own gradients.
 
-Where we hook, and why it cannot be skipped (Keras 3.15, ``keras/src/optimizers/base_optimizer.py``):
-``apply_gradients(grads_and_vars)`` only unzips and calls ``self.apply(grads, vars)``; ``apply`` builds the
-optimizer if needed, filters ``None`` gradients, unscales (``loss_scale_factor``) and calls
-``_backend_apply_gradients`` (Keras' own gradient accumulation, clipping, weight decay, ``update_step``, EMA).
-``LossScaleOptimizer`` forwards to ``inner_optimizer.apply``; the TensorFlow backend's ``stateless_apply``
-raises. So ``apply`` is the single public entry every update goes through, in ``fit`` and in custom loops; we
+Where we hook, and why it cannot be skipped (Keras 3.15, `keras/src/optimizers/base_optimizer.py`):
+`apply_gradients(grads_and_vars)` only unzips and calls `self.apply(grads, vars)`; `apply` builds the
+optimizer if needed, filters `None` gradients, unscales (`loss_scale_factor`) and calls
+`_backend_apply_gradients` (Keras' own gradient accumulation, clipping, weight decay, `update_step`, EMA).
+`LossScaleOptimizer` forwards to `inner_optimizer.apply`; the TensorFlow backend's `stateless_apply`
+raises. So `apply` is the single public entry every update goes through, in `fit` and in custom loops; we
 override it and allreduce *before* calling the original, i.e. before clipping/weight decay, so clipping sees
 the averaged gradient exactly as single-process large-batch training would.
 
 How the wrapper is made: like Horovod, a subclass of the optimizer's own class is created on the fly and
-instantiated from ``optimizer.get_config()``. ``isinstance(opt, keras.optimizers.SGD)`` stays true,
-``get_config()`` is the inner optimizer's config, and saving serialises it under the inner class' public name
-(``keras.optimizers.SGD``), so a saved model loads without Horovod (as a plain optimizer; use
-:func:`load_model` to load and re-wrap in one step).
+instantiated from `optimizer.get_config()`. `isinstance(opt, keras.optimizers.SGD)` stays true,
+`get_config()` is the inner optimizer's config, and saving serialises it under the inner class' public name
+(`keras.optimizers.SGD`), so a saved model loads without Horovod (as a plain optimizer; use
+`load_model` to load and re-wrap in one step).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class _Settings:
 class _DistributedMixin:
     """Methods mixed in front of the inner optimizer's class (see module docstring)."""
 
-    # Class default, so ``from_config``/cloning of the dynamic class still gives a working distributed optimizer.
+    # Class default, so `from_config`/cloning of the dynamic class still gives a working distributed optimizer.
     _hvd_settings = _Settings()
     _hvd_accumulators = None
     _hvd_counter = None
@@ -71,9 +71,9 @@ class _DistributedMixin:
 
     # ------------------------------------------------------------------ worker-local variables
     def register_local_var(self, var):
-        """Keep ``var``'s gradient local: it is not allreduced (Horovod's ``register_local_var``).
+        """Keep `var`'s gradient local: it is not allreduced (Horovod's `register_local_var`).
 
-        With ``scale_local_gradients=True`` (the default) the local gradient is divided by the number of ranks,
+        With `scale_local_gradients=True` (the default) the local gradient is divided by the number of ranks,
         as Horovod does. Register before the first training step (the step is traced once). Every rank must
         register the same variables, or the ranks allreduce different lists.
         """
@@ -201,7 +201,7 @@ class _DistributedMixin:
     def _hvd_reduce(self, groups, in_step: bool):
         """One grouped allreduce per group, each with a "rank is in a training step" flag appended.
 
-        The flag is 1 from a training step and 0 from :meth:`_hvd_end_of_epoch`. All ranks in a step: the
+        The flag is 1 from a training step and 0 from `_hvd_end_of_epoch`. All ranks in a step: the
         average is 1. A rank that ran out of batches while another still trains: that collective pairs the
         other rank's step with this rank's end-of-epoch marker, both see a value strictly between 0 and 1 and
         raise, instead of waiting for each other forever. (Adasum: no flag; it does not average.)
@@ -241,7 +241,7 @@ class _DistributedMixin:
         return out
 
     def _hvd_end_of_epoch(self) -> None:
-        """Send the "this rank has no more steps" marker (see :meth:`_hvd_reduce`); a collective.
+        """Send the "this rank has no more steps" marker (see `_hvd_reduce`); a collective.
 
         Called by the collective callbacks at every epoch end when fit() cannot know the steps per epoch
         up front (generators, tf.data of unknown cardinality). Raises on every rank if another rank is still
@@ -270,7 +270,7 @@ class _DistributedMixin:
         _marker()
 
     def _hvd_groups(self, idx, keys):
-        """Index lists, one grouped allreduce each (Horovod's ``groups``): one group unless asked otherwise."""
+        """Index lists, one grouped allreduce each (Horovod's `groups`): one group unless asked otherwise."""
         groups = self._hvd_settings.groups
         if groups is None:
             return [idx]
@@ -370,44 +370,78 @@ def DistributedOptimizer(
     *,
     iterations: str = "per_pass",
 ):
-    """Return a copy of ``optimizer`` that allreduces gradients across Horovod ranks before applying them.
+    """Return a copy of `optimizer` that averages gradients across Horovod ranks before applying them.
 
     The arguments, their order and defaults are those of Horovod 0.28.1's
-    ``horovod.tensorflow.keras.DistributedOptimizer``, so a Horovod script runs unchanged; ``iterations`` is
-    ours (keyword only).
+    `horovod.tensorflow.keras.DistributedOptimizer`, so a Horovod script runs unchanged; `iterations` is ours
+    (keyword only). The returned optimizer is an instance of a subclass of `optimizer`'s class created on the
+    fly (`isinstance(opt, keras.optimizers.SGD)` stays true); it allreduces inside `Optimizer.apply`, the one
+    entry every Keras 3 update goes through (in `fit` and in custom loops), before clipping and weight decay.
+    With one rank the allreduce is skipped and everything else behaves the same. A model saved with it loads
+    without Horovod, as the plain optimizer (`keras_lms.horovod.load_model` loads and re-wraps).
 
     Args:
-        optimizer: a Keras 3 optimizer instance (or anything ``keras.optimizers.get`` accepts). It is not
-            modified; a new optimizer of a dynamically created subclass of its class is returned, built from
-            ``optimizer.get_config()``. If ``optimizer`` is already built its variables (slots, iterations)
-            are copied, so wrapping a loaded, trained optimizer keeps its state.
-        name: the name of the gradient collective (default ``"keras_lms_gradients"``); must be the same on
-            every rank. Horovod uses it as an op-name prefix. A non-string is refused (before 0.2 the second
-            positional argument was ``backward_passes_per_step``).
-        device_dense, device_sparse: devices for Horovod's dense / sparse collectives (``""``: Horovod's).
-        compression: ``None``/``"none"`` or ``"fp16"`` (cast float gradients to float16 on the wire), or a
-            ``Compression`` class (``keras_lms.horovod.Compression.fp16``).
-        sparse_as_dense: convert ``tf.IndexedSlices`` gradients (e.g. from ``Embedding``) to dense tensors
-            before the allreduce. Otherwise they are allgathered (cheaper for small, sparse updates).
-        gradient_predivide_factor: with ``op=Average``, scale by ``1/f`` before the sum and ``f/size`` after.
-        op: ``Average`` (default) or ``Sum`` (or ``Adasum``, MPI builds only), or ``"average"``/``"sum"``.
-        backward_passes_per_step: N > 1 accumulates gradients locally for N calls of ``apply`` and only then
-            allreduces and applies once (N times fewer collectives).
-        average_aggregated_gradients: with N > 1, divide the local sum by N (mean over the N micro-batches,
-            what Keras' own ``gradient_accumulation_steps`` does). False (Horovod's default) applies the sum.
-        num_groups: deprecated alias of ``groups`` (as in Horovod).
+        optimizer: a Keras 3 optimizer instance (or anything `keras.optimizers.get` accepts). It is not
+            modified; a new optimizer is built from `optimizer.get_config()`. If `optimizer` is already built
+            its variables (slots, iterations) are copied, so wrapping a loaded, trained optimizer keeps its
+            state.
+        name: the name of the gradient collective (default `"keras_lms_gradients"`); must be the same on every
+            rank. Horovod uses it as an op-name prefix. A non-string is refused (before 0.2 the second
+            positional argument was `backward_passes_per_step`).
+        device_dense: the device for Horovod's dense collectives (`""`: Horovod's choice).
+        device_sparse: the device for Horovod's sparse collectives (`""`: Horovod's choice).
+        compression: `None`/`"none"` or `"fp16"` (cast float gradients to float16 on the wire), or a
+            `Compression` class (`keras_lms.horovod.Compression.fp16`). Defaults to `None`.
+        sparse_as_dense: convert `tf.IndexedSlices` gradients (e.g. from `Embedding`) to dense tensors before
+            the allreduce. Otherwise they are allgathered (cheaper for small, sparse updates). Defaults to
+            `False`.
+        gradient_predivide_factor: with `op=Average`, scale by `1/f` before the sum and `f/size` after.
+            Defaults to `1.0`.
+        op: `Average` (default) or `Sum` (or `Adasum`, MPI builds only), or `"average"` / `"sum"`.
+        backward_passes_per_step: N > 1 accumulates gradients locally for N calls of `apply` and only then
+            allreduces and applies once (N times fewer collectives). Defaults to `1`.
+        average_aggregated_gradients: with N > 1, divide the local sum by N (the mean over the N micro-batches,
+            what Keras' own `gradient_accumulation_steps` does). `False` (Horovod's default) applies the sum.
+        num_groups: deprecated alias of `groups` (as in Horovod). Defaults to `0`.
         groups: an int: split the gradients into that many grouped allreduces; a list of lists of variables:
-            one grouped allreduce per list, every other gradient alone. None: one grouped allreduce.
-        process_set: reduce over this ``ProcessSet`` only (see ``init(process_sets=...)``).
-        scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
-            ``PartialDistributedOptimizer``'s ``local_layers``) by the process-set size, as Horovod does.
-        iterations: with N > 1, what ``optimizer.iterations`` counts: ``"per_pass"`` (default; every call of
-            ``apply``, as Horovod and Keras' ``gradient_accumulation_steps`` count, so ``LearningRateSchedule``s
-            and callbacks that read ``iterations`` advance per micro-batch) or ``"per_update"`` (applied updates
-            only).
+            one grouped allreduce per list, every other gradient alone. `None` (default): one grouped allreduce.
+        process_set: reduce over this `ProcessSet` only (see `init(process_sets=...)`). Defaults to all ranks.
+        scale_local_gradients: divide the gradients of variables registered with `register_local_var` (or
+            `PartialDistributedOptimizer`'s `local_layers`) by the process-set size, as Horovod does. Defaults
+            to `True`.
+        iterations: with N > 1, what `optimizer.iterations` counts: `"per_pass"` (default; every call of
+            `apply`, as Horovod and Keras' `gradient_accumulation_steps` count, so `LearningRateSchedule`s and
+            callbacks that read `iterations` advance per micro-batch) or `"per_update"` (applied updates only).
 
-    With one rank the allreduce is skipped (identity); everything else behaves the same.
-    Inside XLA (``jit_compile=True``) it raises a clear error: Horovod is built without XLA ops.
+    Returns:
+        The distributed optimizer: pass it to `model.compile(optimizer=...)`.
+
+    Raises:
+        TypeError: `name` is not a str, `backward_passes_per_step` is not an int, `process_set` is not a
+            `ProcessSet`, or `optimizer` is not a Keras 3 optimizer.
+        ValueError: `optimizer` is already distributed, or a setting has an impossible value
+            (`backward_passes_per_step < 1`, an unknown `op`, `compression` or `iterations`,
+            `gradient_predivide_factor <= 0` or with `op=Sum`).
+        RuntimeError: (in a training step) the step is compiled with XLA (`jit_compile=True`): Horovod is
+            built without XLA ops.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_lms
+    import keras_lms.horovod as lhvd
+
+    lhvd.init()
+    model = keras_lms.wrap(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                             keras.layers.Dense(1)]))
+    opt = lhvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * lhvd.size()))
+    assert isinstance(opt, keras.optimizers.SGD)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    model.fit(np.zeros((8, 8)), np.zeros((8, 1)), batch_size=4, verbose=0,
+              callbacks=[lhvd.BroadcastGlobalVariablesCallback(0)])
+    ```
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(
@@ -488,11 +522,11 @@ def PartialDistributedOptimizer(
     local_layers=None,
     scale_local_gradients: bool = True,
 ):
-    """A :func:`DistributedOptimizer` whose ``local_layers``' trainable weights keep their local gradients.
+    """A `DistributedOptimizer` whose `local_layers`' trainable weights keep their local gradients.
 
-    Horovod's ``PartialDistributedOptimizer`` (same arguments and order): every trainable weight of
-    ``local_layers`` (a layer or a list of layers) is registered with ``register_local_var``, so its
-    gradient is not allreduced (and, with ``scale_local_gradients``, divided by the number of ranks). Build
+    Horovod's `PartialDistributedOptimizer` (same arguments and order): every trainable weight of
+    `local_layers` (a layer or a list of layers) is registered with `register_local_var`, so its
+    gradient is not allreduced (and, with `scale_local_gradients`, divided by the number of ranks). Build
     the layers first: their weights must exist.
     """
     if local_layers is None:
@@ -517,18 +551,18 @@ def PartialDistributedOptimizer(
 
 
 def is_distributed(optimizer) -> bool:
-    """True if ``optimizer`` was made by :func:`DistributedOptimizer`."""
+    """True if `optimizer` was made by `DistributedOptimizer`."""
     return isinstance(optimizer, _DistributedMixin)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False, *,
                compile=True, safe_mode=True, **distributed_kwargs):
-    """``keras.saving.load_model`` and, if the model was compiled, wrap its optimizer (state preserved).
+    """`keras.saving.load_model` and, if the model was compiled, wrap its optimizer (state preserved).
 
-    Horovod's signature and order: ``custom_optimizers`` is a list of optimizer classes the file may use
-    (they are added to ``custom_objects`` and the loaded optimizer is wrapped like any other);
-    ``compression`` is passed to :func:`DistributedOptimizer`, as are ``distributed_kwargs``.
-    A model saved with a ``DistributedOptimizer`` stores the plain inner optimizer, so it loads anywhere;
+    Horovod's signature and order: `custom_optimizers` is a list of optimizer classes the file may use
+    (they are added to `custom_objects` and the loaded optimizer is wrapped like any other);
+    `compression` is passed to `DistributedOptimizer`, as are `distributed_kwargs`.
+    A model saved with a `DistributedOptimizer` stores the plain inner optimizer, so it loads anywhere;
     this helper restores the distributed behaviour for resumed multi-rank training.
     """
     if isinstance(custom_optimizers, dict):

@@ -1,18 +1,18 @@
-"""Process setup for data-parallel training: ``init()``, rank queries and rank-0-only helpers.
+"""Process setup for data-parallel training: `init()`, rank queries and rank-0-only helpers.
 
-Why this exists instead of a bare ``hvd.init()``: with several ranks per host, each rank must
+Why this exists instead of a bare `hvd.init()`: with several ranks per host, each rank must
 
 * see exactly one GPU (otherwise every rank allocates memory on every GPU and they all compute on GPU 0),
 * get its share of *host* memory, because keras_lms offloads activations to host RAM and TensorFlow's pinned
-  host allocator (``TF_GPU_HOST_MEM_LIMIT_IN_MB``, default 64 GiB per process) does not know about the other
+  host allocator (`TF_GPU_HOST_MEM_LIMIT_IN_MB`, default 64 GiB per process) does not know about the other
   ranks on the host,
 * on CPU-only hosts, get its share of the cores (TensorFlow sizes its thread pools to the whole machine in
   every process, so N ranks would each start N x cores threads).
 
 All of these are read by TensorFlow when it initialises its devices, i.e. on the first op, the first
-``tf.config.list_logical_devices()``, or the first Keras layer built. Call :func:`init` right after
+`tf.config.list_logical_devices()`, or the first Keras layer built. Call `init` right after
 importing, before building any model. Settings the user already made (environment variables, explicit
-``tf.config`` calls) are left alone.
+`tf.config` calls) are left alone.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _INFO: "HorovodInfo | None" = None
 
 @dataclasses.dataclass(frozen=True)
 class HorovodInfo:
-    """What :func:`init` found and changed (also available later as :func:`info`)."""
+    """What `init` found and changed (also available later as `info`)."""
 
     rank: int
     size: int
@@ -68,26 +68,52 @@ def init(
 ) -> HorovodInfo:
     """Initialise Horovod and give this rank its GPU, host-memory share and CPU threads.
 
-    What it does, in order (each step only if the user has not already decided it):
+    Call it right after importing, before building any model: steps 2-4 below must happen before TensorFlow
+    initialises its devices. What it does, in order (each step only if the user has not already decided it):
 
-    1. ``hvd.init(comm, process_sets)`` (no-op if already initialised). Controller: MPI under
-       ``mpirun``/``horovodrun --mpi``, Gloo under ``horovodrun --gloo``; plain ``python`` gives a single rank
-       of size 1. ``comm`` and ``process_sets`` are Horovod's (``process_sets=[ProcessSet([0, 1]), ...]``).
-    2. GPUs present and ``pin_gpu``: ``tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")``
-       and, if ``memory_growth``, ``tf.config.experimental.set_memory_growth(gpu, True)``.
-    3. ``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (TensorFlow's limit for pinned host memory used for device<->host
-       copies, i.e. where offloaded activations live) := ``total RAM * host_memory_fraction / local_size``
-       in MiB, unless already set in the environment. Set on CPU-only hosts too (it is then unused).
-    4. ``cpu_threads="auto"`` on a host without GPUs and with ``local_size > 1``: intra-op threads :=
-       ``max(1, cores_available_to_this_process // local_size)``, inter-op threads := ``min(2, that)``,
-       unless ``TF_NUM_INTRAOP_THREADS`` is set or ``tf.config.threading`` was configured already.
-       An int sets that many intra-op threads regardless; ``None`` leaves threading alone.
+    1. `hvd.init(comm, process_sets)` (nothing if already initialised). Controller: MPI under `mpirun` /
+       `horovodrun --mpi`, Gloo under `horovodrun --gloo`; plain `python` gives a single rank of size 1.
+    2. GPUs present and `pin_gpu`: `tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")` and,
+       if `memory_growth`, `tf.config.experimental.set_memory_growth(gpu, True)`.
+    3. `TF_GPU_HOST_MEM_LIMIT_IN_MB` (TensorFlow's limit for pinned host memory used for device <-> host
+       copies, i.e. where offloaded activations live) := `total RAM * host_memory_fraction / local_size` in
+       MiB, unless already set in the environment. Set on CPU-only hosts too (it is then unused).
+    4. `cpu_threads="auto"` on a host without GPUs and with `local_size > 1`: intra-op threads :=
+       `max(1, cores_available_to_this_process // local_size)`, inter-op threads := `min(2, that)`, unless
+       `TF_NUM_INTRAOP_THREADS` is set or `tf.config.threading` was configured already.
 
-    Steps 2-4 must happen before TensorFlow initialises its devices; if it already has, ``init`` cannot
-    change them, says so in a warning and lists it in ``HorovodInfo.notes``.
+    If TensorFlow has already initialised its devices, `init` cannot change them: it says so in a
+    `RuntimeWarning` and lists it in `HorovodInfo.notes`.
+
+    Args:
+        comm: Horovod's `comm` (an MPI communicator or a list of ranks), passed to `hvd.init`. Defaults to
+            `None` (all ranks).
+        process_sets: Horovod process sets to register, e.g. `[ProcessSet([0, 1]), ProcessSet([2, 3])]`.
+            Defaults to `None`.
+        pin_gpu: give each rank one GPU (`local_rank % number of GPUs`). Defaults to `True`.
+        memory_growth: let the pinned GPU's memory grow as needed instead of taking it all. Defaults to `True`.
+        host_memory_fraction: the share of total RAM that the ranks on one host may pin for offloaded
+            activations, divided evenly between them. Defaults to `0.8`.
+        cpu_threads: `"auto"` (split the cores between CPU-only ranks, see step 4), an int (that many intra-op
+            threads), or `None` (leave threading alone). Defaults to `"auto"`.
 
     Returns:
-        :class:`HorovodInfo` with ranks, the controller, and exactly what was set.
+        A frozen `keras_lms.horovod.HorovodInfo`: rank, size, local rank and size, the controller (`"mpi"` or
+        `"gloo"`), the pinned GPU, the host-memory limit, the CPU threads, the environment variables it set
+        and `notes` on what it could not do. `keras_lms.horovod.info()` returns it again later.
+
+    Raises:
+        ValueError: Horovod's own errors from `hvd.init` (e.g. an unusable `comm`) pass through.
+
+    Example:
+
+    ```python
+    import keras_lms.horovod as lhvd
+
+    info = lhvd.init()            # under plain `python`: one rank of size 1
+    print(info.rank, info.size, info.controller, info.host_mem_limit_mb)
+    assert lhvd.size() == info.size and lhvd.is_root() == (lhvd.rank() == 0)
+    ```
     """
     global _INFO
     notes: list[str] = []
@@ -161,15 +187,15 @@ def init(
 
 
 def info() -> HorovodInfo:
-    """The :class:`HorovodInfo` returned by the last :func:`init` call."""
+    """The `HorovodInfo` returned by the last `init` call."""
     if _INFO is None:
-        raise ValueError("keras_lms.horovod.init() has not been called")
+        raise RuntimeError("keras_lms.horovod.init() has not been called")
     return _INFO
 
 
 def _check() -> None:
     if not hvd.is_initialized():
-        raise ValueError("Horovod is not initialised: call keras_lms.horovod.init() first")
+        raise RuntimeError("Horovod is not initialised: call keras_lms.horovod.init() first")
 
 
 def size() -> int:
@@ -202,19 +228,19 @@ def is_root(root_rank: int = 0) -> bool:
 
 
 def cross_rank() -> int:
-    """This host's index among the hosts of the job (Horovod's ``cross_rank``)."""
+    """This host's index among the hosts of the job (Horovod's `cross_rank`)."""
     _check()
     return hvd.cross_rank()
 
 
 def cross_size() -> int:
-    """Number of hosts with a rank of the same local rank as this one (Horovod's ``cross_size``)."""
+    """Number of hosts with a rank of the same local rank as this one (Horovod's `cross_size`)."""
     _check()
     return hvd.cross_size()
 
 
 def rank0_only(callbacks: Iterable | None, root_rank: int = 0) -> list:
-    """Return ``list(callbacks)`` on the root rank and ``[]`` on every other rank.
+    """Return `list(callbacks)` on the root rank and `[]` on every other rank.
 
     Use for callbacks that write files or print (ModelCheckpoint, CSVLogger, TensorBoard, ...), so N ranks do
     not write the same file N times::
@@ -224,9 +250,9 @@ def rank0_only(callbacks: Iterable | None, root_rank: int = 0) -> list:
 
     Put them *after* MetricAverageCallback so they see averaged metrics.
 
-    A callback that runs a Horovod collective (``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
-    ``keras_lms.MemoryHighWaterMark(across_ranks=True)``) must run on every rank, or rank 0 waits forever for
-    the others: such a callback is refused here, with a ``ValueError`` on every rank.
+    A callback that runs a Horovod collective (`BroadcastGlobalVariablesCallback`, `MetricAverageCallback`,
+    `keras_lms.MemoryHighWaterMark(across_ranks=True)`) must run on every rank, or rank 0 waits forever for
+    the others: such a callback is refused here, with a `ValueError` on every rank.
     """
     callbacks = list(callbacks or [])
     collective = [type(cb).__name__ for cb in callbacks if getattr(cb, "_hvd_collective", False)]
@@ -241,5 +267,5 @@ def rank0_only(callbacks: Iterable | None, root_rank: int = 0) -> list:
 
 
 def fit_verbose(verbose: int | str = "auto", root_rank: int = 0) -> int | str:
-    """``verbose`` on the root rank, ``0`` elsewhere (for ``model.fit(verbose=lhvd.fit_verbose(1))``)."""
+    """`verbose` on the root rank, `0` elsewhere (for `model.fit(verbose=lhvd.fit_verbose(1))`)."""
     return verbose if is_root(root_rank) else 0

@@ -8,7 +8,7 @@ import keras
 
 from keras_lms import policy
 
-log = logging.getLogger("keras_lms")
+log = logging.getLogger(__name__)
 
 
 def template(args, kwargs, is_tensor):
@@ -47,6 +47,21 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
         )
     return policy.decide(ctx.config, unit, ctx.structure.unit_models.get(id(unit), []), index, None, sizes, ranks,
                          offloadable)
+
+
+def declared_inputs(model):
+    """The model's symbolic inputs in the structure its ``call`` takes, or None when it declares none.
+
+    ``model.input`` raises on a Sequential built with ``keras.Input`` that was never called, although its
+    ``inputs`` are known; fall back to those.
+    """
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        return None
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
 class InterceptingContext:

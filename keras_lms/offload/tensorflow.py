@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 
 import keras
 import tensorflow as tf
@@ -31,8 +30,6 @@ import tensorflow as tf
 from keras_lms import _keras_adapter as adapter
 from keras_lms import layer_facts, policy
 from keras_lms.offload import common
-
-log = logging.getLogger("keras_lms")
 
 SWAP_OUT_NAME = "lms_swap_out"
 SWAP_IN_NAME = "lms_swap_in"
@@ -227,7 +224,8 @@ class StepContext(common.InterceptingContext):
         # Read values now: the snapshot must not see this step's state updates (same Dropout masks and
         # BatchNorm statistics in the recompute).
         trainable = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.trainable_variables)] if is_layer else []
-        snapshot = [tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)] if is_layer else []
+        snapshot = ([tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)]
+                    if is_layer else [])
         masks = [adapter.get_mask(t) for t in tensors]
         record = _CallRecord(
             index=index, unit=unit, original=original, template=template, positions=positions,
@@ -549,9 +547,10 @@ def _shape(t):
 
 def example_inputs(model, batch_size: int):
     """Placeholder specs for a built model's inputs, or None when the model does not say its input shape."""
-    if getattr(model, "inputs", None):
+    declared = common.declared_inputs(model)
+    if declared is not None:
         return tf.nest.map_structure(lambda kt: tf.TensorSpec([batch_size] + list(kt.shape[1:]), kt.dtype),
-                                     model.input)
+                                     declared)
     build = model.get_build_config() if hasattr(model, "get_build_config") else None
     shape = (build or {}).get("input_shape")
     if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):

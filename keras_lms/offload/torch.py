@@ -48,7 +48,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import logging
 import re
 import threading
 import weakref
@@ -60,8 +59,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from keras_lms import _keras_adapter as adapter
 from keras_lms import layer_facts, policy
 from keras_lms.offload import common
-
-log = logging.getLogger("keras_lms")
 
 # On a machine without CUDA, copy offloaded tensors into pool buffers instead of keeping them (tests).
 CPU_HOST_COPIES = False
@@ -784,9 +781,10 @@ def trace_calls(model, structure, inputs, kwargs) -> list:
 
 def example_inputs(model, batch_size: int):
     """Placeholder specs for a built model's inputs, or None when the model does not say its input shape."""
-    if getattr(model, "inputs", None):
+    declared = common.declared_inputs(model)
+    if declared is not None:
         return keras.tree.map_structure(
-            lambda kt: keras.KerasTensor([batch_size] + list(kt.shape[1:]), kt.dtype), model.input)
+            lambda kt: keras.KerasTensor([batch_size] + list(kt.shape[1:]), kt.dtype), declared)
     build = model.get_build_config() if hasattr(model, "get_build_config") else None
     shape = (build or {}).get("input_shape")
     if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):

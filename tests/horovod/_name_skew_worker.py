@@ -14,11 +14,10 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-
-import keras_lms.horovod as lhvd  # noqa: E402
+import keras_lms.horovod as lhvd
 
 lhvd.init()
 OUT = sys.argv[1]

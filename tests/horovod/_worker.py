@@ -22,11 +22,10 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # start_timeline()/stop_timeline() in api_parity
 
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-
-import keras_lms.horovod as lhvd  # noqa: E402
+import keras_lms.horovod as lhvd
 
 OUT = sys.argv[1]
 _LAUNCHED = int(os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
@@ -228,7 +227,8 @@ def custom_loop_sparse():
 
     ref, _ = run(keras.optimizers.SGD(LR), False, TOKENS, Y, S * B)
     out = {"reference": ref}
-    for label, graph, sad in [("graph_sparse", True, False), ("graph_dense", True, True), ("eager_sparse", False, False)]:
+    variants = [("graph_sparse", True, False), ("graph_dense", True, True), ("eager_sparse", False, False)]
+    for label, graph, sad in variants:
         w, kinds = run(lhvd.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=sad), graph,
                        shard(TOKENS), shard(Y), B)
         out[label] = w
@@ -449,7 +449,6 @@ def api_parity():
     """Issue 12 item 3: Horovod's Keras names, signatures and collectives on values."""
     import inspect
 
-    import tensorflow as tf
 
     out = {"missing": [n for n in HOROVOD_KERAS_NAMES if not hasattr(lhvd, n)]}
     out["allreduce_average"] = float(lhvd.allreduce(float(R + 1), name="t_average").numpy())

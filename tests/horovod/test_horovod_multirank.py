@@ -36,7 +36,8 @@ TOL = 1e-5
 def horovod_build() -> dict | str:
     """{'mpi': bool, 'gloo': bool} of the installed Horovod, or a skip reason."""
     if not (BIN / "horovodrun").exists():
-        return f"Horovod is not installed in {BIN} (run `make install` or `bash scripts/install_horovod.sh {sys.executable}`)"
+        return (f"Horovod is not installed in {BIN} (run `make install` or "
+                f"`bash scripts/install_horovod.sh {sys.executable}`)")
     code = "import horovod.tensorflow as h; print(int(h.mpi_built()), int(h.gloo_built()))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=rank_env(),
                           timeout=120)

@@ -161,7 +161,8 @@ def _alive_activation_bytes(model, wrapped, x, at_layer=None):
         gc.collect()
         return sum(size for ref, size in refs if not ref.expired())
 
-    hooks = [layer.register_forward_hook(hook) for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    hooks = [layer.register_forward_hook(hook) for layer in model.layers
+             if not isinstance(layer, keras.layers.InputLayer)]
     if at_layer is not None:
         call = lms_torch.StepContext.call
 

@@ -48,7 +48,7 @@ def train_step(model, x, y):
     out = model(to_tensor(x), training=True)
     loss = _loss(out, y)
     if model.losses:
-        loss = loss + sum(l.to(loss.dtype) for l in model.losses)
+        loss = loss + sum(extra.to(loss.dtype) for extra in model.losses)
     loss.backward()
     grads = [None if v.value.grad is None else v.value.grad.detach().clone() for v in model.trainable_variables]
     for v in model.trainable_variables:
