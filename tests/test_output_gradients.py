@@ -63,12 +63,7 @@ class _Uses:
     def _counting(self, lookup):
         def counted_lookup(unit):
             found = lookup(unit)
-            if found is None:
-                return None
-            if isinstance(found, tuple):
-                needs_input, fn = found
-                return needs_input, self._count(fn)
-            return self._count(found)
+            return None if found is None else self._count(found)
         return counted_lookup
 
     def _count(self, fn):

@@ -65,11 +65,11 @@ def _output_gradient_fns():
 
 
 def input_gradient_from_output(unit):
-    """``(needs_input, fn(x, y, dy))`` giving d(unit)/d(input) * dy from the unit's output ``y``, or None.
+    """``fn(y, dy)`` giving d(unit)/d(input) * dy from the unit's output ``y``, or None.
 
     For the activation layers ``ReLU()`` and ``Activation("relu"|"sigmoid"|"tanh"|"elu")``, whose gradient
-    TensorFlow itself computes from the op's output (``needs_input`` is always False): using the output's
-    host copy (the next layer's input) avoids the recompute.
+    TensorFlow itself computes from the op's output: using the output's host copy (the next layer's input)
+    avoids the recompute and needs no input at all.
 
     Max pooling is recomputed instead (None). A standalone ``MaxPoolGrad``/``MaxPool3DGrad`` fed the host
     copies is not what the plain model runs: with oneDNN (TensorFlow's default on recent x86 CPUs) the plain
@@ -78,10 +78,7 @@ def input_gradient_from_output(unit):
     gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
     overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
     """
-    act = _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
-    if act is None:
-        return None
-    return False, lambda x, y, dy: act(y, dy)
+    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
 
 
 def reads_own_output(unit) -> bool:
@@ -317,12 +314,8 @@ class StepContext(common.InterceptingContext):
                 and upstream[0] is not None):
             y = self._swapped_in_output(record, trigger)
             if y is not None:
-                needs_input, input_grad = direct
-                x = None
-                if needs_input:
-                    x = self._input(record, 0, trigger)
                 with _on_device(device):
-                    return [input_grad(x, y, upstream[0])]
+                    return [direct(y, upstream[0])]
         xs = []
         for i, mask in enumerate(record.masks):
             x = self._input(record, i, trigger)
