@@ -23,3 +23,18 @@ def mixed_precision():
         yield
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def dtype_policy(request):
+    """Float type and dtype policy for one test (indirect parametrisation), restored to float32 afterwards."""
+    import keras
+
+    dtype = request.param
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+    try:
+        yield dtype
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")

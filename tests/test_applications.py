@@ -16,19 +16,6 @@ import keras_lms
 from tests import models
 from tests.oracle import assert_matches
 
-
-@pytest.fixture
-def dtype_policy(request):
-    dtype = request.param
-    keras.config.set_floatx(dtype)
-    keras.config.set_dtype_policy(dtype)
-    try:
-        yield dtype
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
-
-
 # Open: on TensorFlow the recompute of MobileNetV3's hard_swish Activation layers is not bit-identical to the
 # plain graph (excluding Activation layers makes the model exact): 1.6e-5 relative on the first kernel in
 # float32, 3.6e-14 in float64, so it is float32 rounding, not a wrong gradient; the cause is not found yet.

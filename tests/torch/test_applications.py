@@ -12,18 +12,6 @@ from tests import models
 from tests.torch.torch_oracle import assert_matches
 
 
-@pytest.fixture
-def dtype_policy(request):
-    dtype = request.param
-    keras.config.set_floatx(dtype)
-    keras.config.set_dtype_policy(dtype)
-    try:
-        yield dtype
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype_policy", [
     pytest.param(n, models.APPLICATIONS[n][2], marks=[pytest.mark.xfail(
