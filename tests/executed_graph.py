@@ -29,19 +29,15 @@ import dataclasses
 
 import numpy as np
 
+from benchmarks.gpu_sim import configure_logical_cpus
+
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 COMPUTE = "/job:localhost/replica:0/task:0/device:CPU:1"
 DY_ARG = "lms_test_dy"
 
 
-def configure_two_cpus():
-    """Split the physical CPU into CPU:0 (host) and CPU:1 (compute). Must run before TF initialises."""
-    import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if len(tf.config.get_logical_device_configuration(cpu) or []) == 2:
-        return
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+# CPU:0 is the host, CPU:1 the compute device: the same split the GPU simulation uses.
+configure_two_cpus = configure_logical_cpus
 
 
 @dataclasses.dataclass
