@@ -1,4 +1,4 @@
-"""Configurable 2D/3D U-Net for segmentation of large images and volumes (shared by examples and benchmarks)."""
+"""Configurable 2D/3D U-Net for segmentation of large images and volumes (benchmarks/models.py: the same)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""The models that benchmarks and tests measure, defined here so that a change to an example cannot move a number.
+
+`build_unet` is the architecture of `examples/unet.py` (tests/test_examples.py checks that both build identical
+layer configurations, so the numbers in docs/benchmarks.md apply to the example's model); the example keeps its
+own copy so that a reader follows it without leaving examples/.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers
+
+
+def build_unet(input_shape, classes: int = 1, depth: int = 3, base_filters: int = 16, batch_norm: bool = True,
+               dropout: float = 0.1, name: str | None = None, bn_momentum: float = 0.99) -> keras.Model:
+    """A U-Net with ``depth`` down/up levels for 2D (H, W, C) or 3D (D, H, W, C) inputs.
+
+    Each level: two 3x3(x3) convolutions with ReLU (BatchNorm after the first when ``batch_norm``); the
+    bottleneck has Dropout; the decoder uses transposed convolutions and Concatenate skips. The output is a
+    sigmoid (``classes == 1``) or softmax map with the input's spatial size, which must be divisible by
+    ``2**depth``. ``bn_momentum`` is the BatchNormalization momentum of the moving statistics (Keras' default
+    0.99; lower values make validation follow the weights faster in short runs).
+    """
+    ndim = len(input_shape) - 1
+    if ndim not in (2, 3):
+        raise ValueError(f"input_shape must be (H, W, C) or (D, H, W, C); got {input_shape}.")
+    if any(s is not None and s % 2**depth for s in input_shape[:-1]):
+        raise ValueError(f"Spatial size {input_shape[:-1]} must be divisible by 2**depth = {2**depth}.")
+    conv = layers.Conv2D if ndim == 2 else layers.Conv3D
+    up = layers.Conv2DTranspose if ndim == 2 else layers.Conv3DTranspose
+    pool = layers.MaxPooling2D if ndim == 2 else layers.MaxPooling3D
+
+    def block(x, filters, prefix):
+        x = conv(filters, 3, padding="same", activation=None if batch_norm else "relu", name=f"{prefix}_conv1")(x)
+        if batch_norm:
+            x = layers.BatchNormalization(momentum=bn_momentum, name=f"{prefix}_bn")(x)
+            x = layers.ReLU(name=f"{prefix}_relu")(x)
+        return conv(filters, 3, padding="same", activation="relu", name=f"{prefix}_conv2")(x)
+
+    inputs = keras.Input(input_shape, name="image")
+    x, skips = inputs, []
+    for level in range(depth):
+        x = block(x, base_filters * 2**level, f"down{level}")
+        skips.append(x)
+        x = pool(name=f"down{level}_pool")(x)
+    x = block(x, base_filters * 2**depth, "bottleneck")
+    if dropout:
+        x = layers.Dropout(dropout, name="bottleneck_dropout")(x)
+    for level in reversed(range(depth)):
+        x = up(base_filters * 2**level, 2, strides=2, padding="same", name=f"up{level}_upconv")(x)
+        x = layers.Concatenate(name=f"up{level}_concat")([x, skips[level]])
+        x = block(x, base_filters * 2**level, f"up{level}")
+    activation = "sigmoid" if classes == 1 else "softmax"
+    outputs = conv(classes, 1, activation=activation, dtype="float32", name="mask")(x)
+    return keras.Model(inputs, outputs, name=name or f"unet{ndim}d")
