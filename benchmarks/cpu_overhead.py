@@ -25,25 +25,11 @@ from rich.table import Table
 import keras_lms
 
 try:
-    from examples.unet import build_unet
+    from benchmarks.models import build_unet, resnetish
 except ModuleNotFoundError as err:  # run as a file: the repository root is not on sys.path
-    if err.name != "examples":
+    if err.name != "benchmarks":
         raise
     raise SystemExit("run it from the repository root as a module: python -m benchmarks.cpu_overhead ...") from err
-
-
-def resnetish(size=128, filters=32, blocks=4):
-    inp = keras.Input((size, size, 3))
-    x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(inp)
-    for _ in range(blocks):
-        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-        y = keras.layers.BatchNormalization()(y)
-        y = keras.layers.ReLU()(y)
-        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
-        y = keras.layers.BatchNormalization()(y)
-        x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inp, keras.layers.Dense(10)(x), name="resnetish")
 
 
 def make_step(model, optimizer, x, y):

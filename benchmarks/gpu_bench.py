@@ -1,25 +1,27 @@
 """GPU benchmark of keras-lms on the torch back end: transfer bandwidth, largest trainable 3D volume with and
 without LMS under a device-memory cap, and step time against the transfer lower bound.
 
-    KERAS_BACKEND=torch python benchmarks/gpu_bench.py --out runs/gpu            # one GPU, < 8 minutes
-    KERAS_BACKEND=torch python benchmarks/gpu_bench.py --smoke --out /tmp/bench  # CPU, tiny sizes (CI)
+    KERAS_BACKEND=torch python -m benchmarks.gpu_bench --out runs/gpu            # one GPU, < 8 minutes
+    KERAS_BACKEND=torch python -m benchmarks.gpu_bench --smoke --out /tmp/bench  # CPU, tiny sizes (CI)
 
-Writes ``results.json`` and ``results.md`` under ``--out``, rewritten after every measurement, so an
-interrupted run still leaves what it measured (``"complete": false``). Sections:
+Run it from the repository root (on a GPU machine: the repository carried there). Writes ``results.json`` and
+``results.md`` under ``--out``, rewritten after every measurement, so an interrupted run still leaves what it
+measured (``"complete": false``). Sections:
 
 1. bandwidth: pinned host->device, device->host (on a side stream, as keras-lms copies) and device->device
    copy bandwidth, GB/s (1e9 bytes).
-2. largest edge: the 3D U-Net of ``examples/unet.py`` at cube edges divisible by ``2**depth``, one training
-   step (``train_on_batch``) per trial under ``torch.cuda.set_per_process_memory_fraction`` (``--cap-gib``),
-   plain and wrapped (``keras_lms.wrap`` defaults); edges grow by ~1.26 (2x voxels) until a step runs out of
-   memory, then bisect. Reports the ratio of voxels (target >= 10).
+2. largest edge: the 3D U-Net of ``examples/unet.py`` (its twin in ``benchmarks/models.py``) at cube edges
+   divisible by ``2**depth``, one training step (``train_on_batch``) per trial under
+   ``torch.cuda.set_per_process_memory_fraction`` (``--cap-gib``), plain and wrapped (``keras_lms.wrap``
+   defaults); edges grow by ~1.26 (2x voxels) until a step runs out of memory, then bisect. Reports the ratio
+   of voxels (target >= 10).
 3. step time at two edges that fit both ways (~80% and ~50% of the plain model's largest volume): median
    step time plain and wrapped (steps alternate, same weights), peak
    device memory (``torch.cuda.max_memory_allocated``), offloaded bytes per step (the plan) and the bytes
    actually copied, and the lower bound ``max(plain step, offloaded/BW_d2h + offloaded/BW_h2d)`` (each
    offloaded byte goes out and comes back); reports wrapped / lower bound (target <= 1.10).
 
-Imports only keras (torch back end), torch, numpy, keras_lms and examples/unet.py (no TensorFlow).
+Imports only keras (torch back end), torch, numpy, keras_lms and benchmarks/models.py (no TensorFlow).
 """
 
 from __future__ import annotations
@@ -39,16 +41,20 @@ import time
 import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import keras
+import numpy as np
+import torch
 
-import keras_lms  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
-from keras_lms.offload import torch as lms_torch  # noqa: E402
+import keras_lms
+from keras_lms.offload import torch as lms_torch
+
+try:
+    from benchmarks.models import build_unet
+except ModuleNotFoundError as err:  # run as a file: the repository root is not on sys.path
+    if err.name != "benchmarks":
+        raise
+    raise SystemExit("run it from the repository root as a module: python -m benchmarks.gpu_bench ...") from err
 
 GIB = float(1 << 30)
 T0 = time.perf_counter()
@@ -471,7 +477,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if keras.backend.backend() != "torch":
-        print(f"gpu_bench.py needs KERAS_BACKEND=torch (got {keras.backend.backend()!r}).", file=sys.stderr)
+        print(f"benchmarks.gpu_bench needs KERAS_BACKEND=torch (got {keras.backend.backend()!r}).", file=sys.stderr)
         return 2
     if not torch.cuda.is_available() and not args.smoke:
         print("No CUDA device: run with --smoke for the CPU code path.", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 `build_unet` is the architecture of `examples/unet.py` (tests/test_examples.py checks that both build identical
 layer configurations, so the numbers in docs/benchmarks.md apply to the example's model); the example keeps its
-own copy so that a reader follows it without leaving examples/.
+own copy so that a reader follows it without leaving examples/. `resnetish` is the residual CNN of
+`benchmarks.cpu_overhead` and `benchmarks.report_accuracy`.
 """
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ def build_unet(input_shape, classes: int = 1, depth: int = 3, base_filters: int 
     activation = "sigmoid" if classes == 1 else "softmax"
     outputs = conv(classes, 1, activation=activation, dtype="float32", name="mask")(x)
     return keras.Model(inputs, outputs, name=name or f"unet{ndim}d")
+
+
+def resnetish(size=128, filters=32, blocks=4):
+    """A ResNet-style classifier on (size, size, 3): a stem convolution, ``blocks`` residual blocks at one
+    resolution (Conv-BN-ReLU, Conv-BN, Add, ReLU), global pooling and Dense(10)."""
+    inp = keras.Input((size, size, 3))
+    x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(inp)
+    for _ in range(blocks):
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        y = keras.layers.BatchNormalization()(y)
+        y = keras.layers.ReLU()(y)
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+        y = keras.layers.BatchNormalization()(y)
+        x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, keras.layers.Dense(10)(x), name="resnetish")

@@ -22,10 +22,10 @@ from rich.table import Table
 import keras_lms
 
 try:
-    from benchmarks.cpu_overhead import make_step, resnetish
-    from examples.unet import build_unet
+    from benchmarks.cpu_overhead import make_step
+    from benchmarks.models import build_unet, resnetish
 except ModuleNotFoundError as err:  # run as a file: the repository root is not on sys.path
-    if err.name not in ("benchmarks", "examples"):
+    if err.name != "benchmarks":
         raise
     raise SystemExit("run it from the repository root as a module: python -m benchmarks.report_accuracy ...") from err
 

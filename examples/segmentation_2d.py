@@ -10,18 +10,25 @@ coloured elliptical lesions; the label is the lesion mask). Same flags and artef
 
 from __future__ import annotations
 
-if __package__:  # python -m examples.segmentation_2d (or imported as examples.segmentation_2d)
-    from . import common
-else:  # python examples/segmentation_2d.py: examples/ is on sys.path
-    import common
+import os
 
-TASK = common.Task(
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+if __package__:  # python -m examples.segmentation_2d (or imported as examples.segmentation_2d)
+    from .cli import Task
+    from .train import run
+else:  # python examples/segmentation_2d.py: examples/ is on sys.path
+    from cli import Task
+    from train import run
+
+TASK = Task(
     name="segmentation_2d", kind="2d", size_flag="--image-size", default_size=2048, default_depth=4,
     what="2D U-Net lesion segmentation on large RGB images (synthetic by default, or PNG/TIFF pairs) with keras-lms.")
 
 
 def main(argv=None):
-    return common.run(TASK, argv)
+    return run(TASK, argv)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,25 @@ training_curves.png, activation_report.png/.txt, sample_prediction.png, summary.
 
 from __future__ import annotations
 
-if __package__:  # python -m examples.segmentation_3d (or imported as examples.segmentation_3d)
-    from . import common
-else:  # python examples/segmentation_3d.py: examples/ is on sys.path
-    import common
+import os
 
-TASK = common.Task(
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+if __package__:  # python -m examples.segmentation_3d (or imported as examples.segmentation_3d)
+    from .cli import Task
+    from .train import run
+else:  # python examples/segmentation_3d.py: examples/ is on sys.path
+    from cli import Task
+    from train import run
+
+TASK = Task(
     name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,
     what="3D U-Net lesion segmentation on volumes (synthetic by default, or NIfTI pairs) with keras-lms.")
 
 
 def main(argv=None):
-    return common.run(TASK, argv)
+    return run(TASK, argv)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,17 @@
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 if __package__:  # python -m examples.summary (or imported as examples.summary)
-    from .common import print_summary
+    from .artefacts import print_summary
 else:  # python examples/summary.py: examples/ is on sys.path
-    from common import print_summary
+    from artefacts import print_summary
 
 
 def main(argv=None) -> int:

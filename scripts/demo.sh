@@ -47,4 +47,4 @@ end=$(date +%s)
 
 echo
 echo "demo: finished in $((end - start)) s; summary ($OUT/summary.json):"
-"$PY" examples/summary.py "$OUT"   # the example's own summary printer (examples/common.py: print_summary)
+"$PY" examples/summary.py "$OUT"   # the example's own summary printer (examples/artefacts.py: print_summary)

@@ -16,12 +16,11 @@ import sys
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks import models as bench_models
+from examples import callbacks, cli, data, metrics, runtime, state, train
+from examples.unet import build_unet
 
-from examples import common, data  # noqa: E402
-from examples.unet import build_unet  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 RUN_TIMEOUT = 300
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
@@ -61,14 +60,32 @@ def test_unet_divisibility_error():
         build_unet((16, 1), depth=1)
 
 
+def _layer_configs(model) -> list:
+    return [(layer.__class__.__name__, layer.get_config()) for layer in model.layers]
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ((32, 32, 3), dict(depth=2, base_filters=4)),
+    ((16, 16, 16, 1), dict(depth=3, base_filters=2, classes=2, batch_norm=False, dropout=0.0, bn_momentum=0.9)),
+])
+def test_benchmark_unet_is_the_example_unet(shape, kwargs):
+    """benchmarks/models.py's U-Net (the model docs/benchmarks.md measured) builds exactly the example's layers."""
+    example = build_unet(shape, **kwargs)
+    bench = bench_models.build_unet(shape, **kwargs)
+    assert bench.name == example.name and _layer_configs(bench) == _layer_configs(example)
+    # Negative control: one changed argument in either copy (here the filters) makes the comparison fail.
+    changed = bench_models.build_unet(shape, **dict(kwargs, base_filters=2 * kwargs["base_filters"]))
+    assert _layer_configs(changed) != _layer_configs(example)
+
+
 def test_parse_args_rejects_indivisible_size(capsys):
-    task = common.Task("segmentation_3d", "3d", "--volume", 96, 3, "test")
+    task = cli.Task("segmentation_3d", "3d", "--volume", 96, 3, "test")
     with pytest.raises(SystemExit):
-        common.parse_args(task, ["--volume", "20"])
+        cli.parse_args(task, ["--volume", "20"])
     assert "divisible by 2**depth = 8" in capsys.readouterr().err
-    args = common.parse_args(task, ["--volume", "32", "--budget", "6GiB", "--no-lms", "--min-bytes", "0"])
+    args = cli.parse_args(task, ["--volume", "32", "--budget", "6GiB", "--no-lms", "--min-bytes", "0"])
     assert args.lms is True  # a budget implies LMS
-    assert common.wrap_kwargs(args) == {"min_bytes": 0, "device_budget": "6GiB"}
+    assert runtime.wrap_kwargs(args) == {"min_bytes": 0, "device_budget": "6GiB"}
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -183,13 +200,13 @@ def test_nifti_volumes(tmp_path):
     image, label = data.load_nifti(*pairs[0])
     assert image.shape == (20, 24, 14, 1) and label.shape == (20, 24, 14, 1) and image.dtype == np.float32
     assert set(np.unique(label)) == {0.0, 1.0} and int(label.sum()) == 5 * 5 * 4
-    train, val, channels = data.make_datasets("3d", (16, 16, 16), data_dir=tmp_path, batch_size=2, seed=0)
-    assert channels == 1 and len(train.pairs) == 2 and len(val.pairs) == 1
-    x, y = val[0]
+    train_ds, val_ds, channels = data.make_datasets("3d", (16, 16, 16), data_dir=tmp_path, batch_size=2, seed=0)
+    assert channels == 1 and len(train_ds.pairs) == 2 and len(val_ds.pairs) == 1
+    x, y = val_ds[0]
     assert x.shape == (2, 16, 16, 16, 1) and y.shape == (2, 16, 16, 16, 1)
     assert x.dtype == np.float32 and y.dtype == np.float32
     assert int(y[0].sum()) == 5 * 5 * 4  # validation crops are centred on the lesion (depth 14 is padded)
-    x, y = train[0]
+    x, y = train_ds[0]
     assert x.shape == (2, 16, 16, 16, 1) and set(np.unique(y)) <= {0.0, 1.0}
     # Rank sharding is file-wise.
     shards = [data.NiftiVolumes(pairs, (16, 16, 16), 1, 1, rank=r, size=2) for r in range(2)]
@@ -201,8 +218,8 @@ def test_nifti_multichannel(tmp_path):
     image, label = _volume_pair(np.random.default_rng(1), (18, 18, 16), channels=4)
     nib.save(nib.Nifti1Image(image, np.eye(4)), tmp_path / "p_image.nii.gz")
     nib.save(nib.Nifti1Image(label, np.eye(4)), tmp_path / "p_label.nii.gz")
-    train, val, channels = data.make_datasets("3d", (16, 16, 16), data_dir=tmp_path, batch_size=1)
-    assert channels == 4 and train[0][0].shape == (1, 16, 16, 16, 4)
+    train_ds, _, channels = data.make_datasets("3d", (16, 16, 16), data_dir=tmp_path, batch_size=1)
+    assert channels == 4 and train_ds[0][0].shape == (1, 16, 16, 16, 4)
 
 
 def test_png_and_tiff_tiles(tmp_path):
@@ -224,9 +241,10 @@ def test_png_and_tiff_tiles(tmp_path):
         image, lab = data.load_tile(*pair)
         assert image.shape == (40, 30, 3) and image.dtype == np.float32  # grey TIFF replicated to RGB
         assert lab.shape == (40, 30, 1) and int(lab.sum()) == 100 and set(np.unique(lab)) == {0.0, 1.0}
-    train, val, channels = data.make_datasets("2d", (32, 32), data_dir=tmp_path, batch_size=1, val_fraction=0.5)
-    assert channels == 3 and len(train) == 1
-    x, y = val[0]
+    train_ds, val_ds, channels = data.make_datasets("2d", (32, 32), data_dir=tmp_path, batch_size=1,
+                                                    val_fraction=0.5)
+    assert channels == 3 and len(train_ds) == 1
+    x, y = val_ds[0]
     assert x.shape == (1, 32, 32, 3) and y.shape == (1, 32, 32, 1) and int(y.sum()) == 100
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="NAME_image"):
@@ -239,7 +257,7 @@ def test_png_and_tiff_tiles(tmp_path):
 def test_dice_iou_exact_values():
     truth = np.array([1, 1, 0, 0, 1, 0], "float32").reshape(1, 6, 1)
     pred = np.array([0.9, 0.4, 0.6, 0.1, 0.51, 0.5], "float32").reshape(1, 6, 1)  # > 0.5: {0, 2, 4}
-    dice, iou = common.Dice(), common.IoU()
+    dice, iou = metrics.Dice(), metrics.IoU()
     dice.update_state(truth, pred)
     iou.update_state(truth, pred)
     # |P & T| = 2 ({0, 4}), |P| = 3, |T| = 3
@@ -261,22 +279,22 @@ def test_dice_iou_exact_values():
     assert float(dice.result()) == 1.0 and float(iou.result()) == 1.0  # both empty: perfect agreement
     dice.update_state(empty + 1, empty)
     assert float(dice.result()) == 0.0
-    assert common.Dice.from_config(common.Dice(threshold=0.3).get_config()).threshold == 0.3
+    assert metrics.Dice.from_config(metrics.Dice(threshold=0.3).get_config()).threshold == 0.3
 
 
 def test_dice_bce_loss():
     rng = np.random.default_rng(0)
     truth = (rng.random((2, 8, 8, 8, 1)) > 0.8).astype("float32")
-    loss = common.DiceBCELoss()
+    loss = metrics.DiceBCELoss()
     good = float(loss(truth, np.clip(truth, 0.02, 0.98)))
     bad = float(loss(truth, np.full_like(truth, 0.5)))
     assert 0 < good < 0.2 < bad
-    restored = common.DiceBCELoss.from_config(loss.get_config())
+    restored = metrics.DiceBCELoss.from_config(loss.get_config())
     assert float(restored(truth, np.clip(truth, 0.02, 0.98))) == pytest.approx(good)
 
 
 def test_cosine_schedule():
-    schedule = common.cosine_schedule(1.0, warmup_epochs=2, epochs=6)
+    schedule = callbacks.cosine_schedule(1.0, warmup_epochs=2, epochs=6)
     assert schedule(0, 0.123) == 0.123 and schedule(1, 0.5) == 0.5  # warm-up epochs untouched
     assert schedule(2, 0.0) == pytest.approx(1.0)
     values = [schedule(e, 0.0) for e in range(2, 6)]
@@ -286,8 +304,8 @@ def test_cosine_schedule():
 def test_dry_run_saves_model_for_keras_lms_report(tmp_path, capsys):
     import keras
 
-    task = common.Task("segmentation_3d", "3d", "--volume", 96, 3, "test")
-    totals = common.run(task, ["--volume", "16", "--base-filters", "2", "--batch-size", "3", "--min-bytes", "0",
+    task = cli.Task("segmentation_3d", "3d", "--volume", 96, 3, "test")
+    totals = train.run(task, ["--volume", "16", "--base-filters", "2", "--batch-size", "3", "--min-bytes", "0",
                                "--dry-run", "--out", str(tmp_path)])
     assert totals["host_bytes_per_step"] > 0
     assert "keras-lms report" in capsys.readouterr().out
@@ -296,7 +314,7 @@ def test_dry_run_saves_model_for_keras_lms_report(tmp_path, capsys):
 
     assert isinstance(model, keras_lms.LMSModel) and model.inner_model.input_shape == (None, 16, 16, 16, 1)
     assert (tmp_path / "activation_report.png").stat().st_size > 1000
-    assert not (tmp_path / common.CHECKPOINT).exists()
+    assert not (tmp_path / state.CHECKPOINT).exists()
 
 
 # ------------------------------------------------------------------------------------ end-to-end scripts
@@ -308,7 +326,9 @@ def _env():
 
 
 def _start(script, out, *extra):
-    cmd = [sys.executable, str(REPO / "examples" / script), "--batch-size", "2", "--steps-per-epoch", "2",
+    """``script``: a file in examples/ (``python examples/x.py``) or a module (``python -m examples.x``)."""
+    entry = [str(REPO / "examples" / script)] if script.endswith(".py") else ["-m", script]
+    cmd = [sys.executable, *entry, "--batch-size", "2", "--steps-per-epoch", "2",
            "--val-steps", "1", "--base-filters", "4", "--lms", "--min-bytes", "0", "--workers", "1",
            "--verbose", "2", "--out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -331,13 +351,14 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("examples")
     out3, out2 = base / "seg3d", base / "seg2d"
     p3 = _start("segmentation_3d.py", out3, "--volume", "16", "--epochs", "1")
-    # The 3D runs cover the default tf.data loader, the 2D run Keras' PyDataset loader and, where Horovod is
-    # installed, the --horovod code path on a single rank (plain python: Horovod size 1).
-    p2 = _start("segmentation_2d.py", out2, "--image-size", "32", "--depth", "2", "--epochs", "1",
+    # The 3D runs cover the default tf.data loader and `python examples/x.py`, the 2D run Keras' PyDataset loader,
+    # `python -m examples.x` and, where Horovod is installed, the --horovod code path on a single rank (plain
+    # python: Horovod size 1).
+    p2 = _start("examples.segmentation_2d", out2, "--image-size", "32", "--depth", "2", "--epochs", "1",
                 "--loader", "pydataset", *(["--horovod"] if HAVE_HOROVOD else []))
     log3 = _finish(p3)
     first = json.loads((out3 / "summary.json").read_text())
-    state1 = json.loads((out3 / common.STATE).read_text())
+    state1 = json.loads((out3 / state.STATE).read_text())
     resumed = _finish(_start("segmentation_3d.py", out3, "--volume", "16", "--epochs", "2", "--resume"))
     log2 = _finish(p2)
     return dict(out3=out3, out2=out2, log3=log3, log2=log2, first=first, state1=state1, resumed=resumed)
@@ -361,7 +382,7 @@ def _check_artefacts(out: pathlib.Path, summary: dict):
             w, h = img.size
             assert 400 <= w <= 4000 and 250 <= h <= 3000, (name, img.size)
             assert np.asarray(img.convert("L")).std() > 5  # not a blank canvas
-    assert (out / common.CHECKPOINT).stat().st_size > 10_000
+    assert (out / state.CHECKPOINT).stat().st_size > 10_000
     assert (out / "training_log.csv").read_text().startswith("epoch,")
     assert (out / "activation_report.txt").read_text().strip()
 
@@ -387,11 +408,20 @@ def test_resume_continues_from_saved_epoch(runs):
     out = runs["out3"]
     assert "Resuming from" in runs["resumed"] and "after epoch 1" in runs["resumed"]
     assert "Epoch 2/2" in runs["resumed"] and "Epoch 1/2" not in runs["resumed"]
-    state = json.loads((out / common.STATE).read_text())
-    assert state["epoch"] == 2 and [r["epoch"] for r in state["history"]] == [1, 2]
+    saved = json.loads((out / state.STATE).read_text())
+    assert saved["epoch"] == 2 and [r["epoch"] for r in saved["history"]] == [1, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["initial_epoch"] == 1 and summary["epochs_completed"] == 2
     rows = (out / "training_log.csv").read_text().strip().splitlines()
     assert len(rows) == 3 and rows[1].startswith("0,") and rows[2].startswith("1,")  # appended, not rewritten
-    model = keras.saving.load_model(out / common.CHECKPOINT)
+    model = keras.saving.load_model(out / state.CHECKPOINT)
     assert int(model.optimizer.iterations) == 4  # optimizer state restored and continued (2 + 2 steps)
+
+
+def test_summary_script_prints_the_run_summary(runs):
+    """The last step of scripts/demo.sh: examples/summary.py prints, from summary.json, what the run printed."""
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "summary.py"), str(runs["out3"])], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = proc.stdout.strip()
+    assert "== segmentation_3d summary" in printed and printed in runs["resumed"]

@@ -9,15 +9,15 @@ import keras
 import numpy as np
 import pytest
 
-from examples import common, data
+from examples import callbacks, cli, data, state
 
-TASK3D = common.Task(name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,
-                     what="3D")
+TASK3D = cli.Task(name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,
+                  what="3D")
 
 
 def test_volume_zero_names_the_volume_flag(capsys):
     with pytest.raises(SystemExit):
-        common.parse_args(TASK3D, ["--volume", "0", "--out", "/tmp"])
+        cli.parse_args(TASK3D, ["--volume", "0", "--out", "/tmp"])
     err = capsys.readouterr().err
     assert "--volume must be >= 1" in err and "--size" not in err
 
@@ -26,14 +26,14 @@ def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
     target = tmp_path / "file"
     target.write_text("x")
     with pytest.raises(SystemExit):
-        common.parse_args(TASK3D, ["--out", str(target / "run")])
+        cli.parse_args(TASK3D, ["--out", str(target / "run")])
     err = capsys.readouterr().err
     assert "--out" in err and "not a directory" in err and "Traceback" not in err
     if os.geteuid() != 0:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(SystemExit):
-            common.parse_args(TASK3D, ["--out", str(locked / "run")])
+            cli.parse_args(TASK3D, ["--out", str(locked / "run")])
         assert "is not writable" in capsys.readouterr().err
 
 
@@ -43,9 +43,9 @@ def _small_model():
 
 
 def test_checkpoint_is_atomic(tmp_path, monkeypatch):
-    path = tmp_path / common.CHECKPOINT
+    path = tmp_path / state.CHECKPOINT
     model = _small_model()
-    cb = common.AtomicCheckpoint(path)
+    cb = callbacks.AtomicCheckpoint(path)
     cb.set_model(model)
     cb.on_epoch_end(0)
     good = path.read_bytes()
@@ -59,32 +59,32 @@ def test_checkpoint_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cb.on_epoch_end(1)
     assert path.read_bytes() == good
-    assert sorted(p.name for p in tmp_path.iterdir()) == [common.CHECKPOINT]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [state.CHECKPOINT]
 
 
 def _args(*argv):
-    return common.parse_args(TASK3D, ["--volume", "16", "--depth", "2", *argv])
+    return cli.parse_args(TASK3D, ["--volume", "16", "--depth", "2", *argv])
 
 
 def test_resume_detects_damaged_checkpoint(tmp_path):
     args = _args("--out", str(tmp_path))
-    (tmp_path / common.CHECKPOINT).write_bytes(b"truncated")
-    (tmp_path / common.STATE).write_text(json.dumps({"epoch": 1, "args": vars(args)}))
-    with pytest.raises(common.ResumeError, match="damaged or incomplete.*Delete"):
-        common.read_state(tmp_path, args, TASK3D)
+    (tmp_path / state.CHECKPOINT).write_bytes(b"truncated")
+    (tmp_path / state.STATE).write_text(json.dumps({"epoch": 1, "args": vars(args)}))
+    with pytest.raises(state.ResumeError, match="damaged or incomplete.*Delete"):
+        state.read_state(tmp_path, args, TASK3D)
 
 
 def test_resume_refuses_other_model_flags(tmp_path):
     saved = _args("--out", str(tmp_path))
-    _small_model().save(tmp_path / common.CHECKPOINT)
-    (tmp_path / common.STATE).write_text(json.dumps({"epoch": 1, "args": vars(saved)}))
-    assert common.read_state(tmp_path, saved, TASK3D)["epoch"] == 1
-    other = common.parse_args(TASK3D, ["--volume", "32", "--depth", "2", "--out", str(tmp_path)])
-    with pytest.raises(common.ResumeError, match="--volume 16.*asks for 32.*Use --volume 16"):
-        common.read_state(tmp_path, other, TASK3D)
-    deeper = common.parse_args(TASK3D, ["--volume", "16", "--depth", "3", "--out", str(tmp_path)])
-    with pytest.raises(common.ResumeError, match="--depth 2"):
-        common.read_state(tmp_path, deeper, TASK3D)
+    _small_model().save(tmp_path / state.CHECKPOINT)
+    (tmp_path / state.STATE).write_text(json.dumps({"epoch": 1, "args": vars(saved)}))
+    assert state.read_state(tmp_path, saved, TASK3D)["epoch"] == 1
+    other = cli.parse_args(TASK3D, ["--volume", "32", "--depth", "2", "--out", str(tmp_path)])
+    with pytest.raises(state.ResumeError, match="--volume 16.*asks for 32.*Use --volume 16"):
+        state.read_state(tmp_path, other, TASK3D)
+    deeper = cli.parse_args(TASK3D, ["--volume", "16", "--depth", "3", "--out", str(tmp_path)])
+    with pytest.raises(state.ResumeError, match="--depth 2"):
+        state.read_state(tmp_path, deeper, TASK3D)
 
 
 def test_corrupt_png_is_named(tmp_path):

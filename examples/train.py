@@ -1,0 +1,99 @@
+"""The training run of the segmentation examples, top to bottom: flags, data, model, fit, artefacts.
+
+:func:`run` is what ``segmentation_3d.py`` and ``segmentation_2d.py`` call with their :class:`~examples.cli.Task`;
+:func:`dry_run` (``--dry-run``) builds and saves the model and prints its activation report instead of training.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import keras_lms
+
+if __package__:  # imported as examples.train (python -m examples.segmentation_3d, the tests)
+    from . import data as data_lib
+    from .artefacts import write_artefacts
+    from .callbacks import make_callbacks
+    from .cli import Task, parse_args
+    from .runtime import Runtime, broadcast_int, build_model, setup_runtime, wrap_kwargs
+    from .state import CHECKPOINT, STATE, jsonable, read_state
+else:  # python examples/segmentation_3d.py: examples/ is on sys.path
+    import data as data_lib
+    from artefacts import write_artefacts
+    from callbacks import make_callbacks
+    from cli import Task, parse_args
+    from runtime import Runtime, broadcast_int, build_model, setup_runtime, wrap_kwargs
+    from state import CHECKPOINT, STATE, jsonable, read_state
+
+
+def run(task: Task, argv=None) -> dict | None:
+    """Parse flags, train, write artefacts; returns the summary on rank 0 (None elsewhere)."""
+    args = parse_args(task, argv)
+    rt = setup_runtime(args)
+    out = pathlib.Path(args.out)
+    if rt.is_root:
+        out.mkdir(parents=True, exist_ok=True)
+
+    train_ds, val_ds, channels = data_lib.make_datasets(
+        task.kind, task.spatial_shape(args), data_dir=args.data_dir, batch_size=args.batch_size,
+        steps=args.steps_per_epoch, val_steps=args.val_steps, seed=args.seed, rank=rt.rank, size=rt.size,
+        val_fraction=args.val_fraction, workers=args.workers, use_multiprocessing=args.use_multiprocessing,
+        max_queue_size=args.max_queue_size)
+
+    if args.dry_run:
+        return dry_run(args, task, channels, rt, out) if rt.is_root else None
+
+    state = read_state(out, args, task) if args.resume else None
+    if args.resume and state is None:
+        rt.log(f"--resume: no {CHECKPOINT} + {STATE} in {out}; starting from scratch.")
+    initial_epoch = broadcast_int(rt, state["epoch"] if state else 0)
+    # Every rank that can read the checkpoint loads it; a rank that cannot (no shared file system) starts from
+    # fresh weights, which BroadcastGlobalVariablesCallback replaces by rank 0's before the first update.
+    restore = out / CHECKPOINT if initial_epoch and (out / CHECKPOINT).exists() else None
+    model, base = build_model(args, task, channels, rt, restore)
+    if args.loader == "tfdata":
+        train_data = data_lib.to_tf_dataset(train_ds, args.workers, args.max_queue_size)
+        val_data = data_lib.to_tf_dataset(val_ds, args.workers, args.max_queue_size)
+    else:
+        train_data, val_data = train_ds, val_ds
+    history = list(state.get("history", [])) if state else []
+    if initial_epoch:
+        rt.log(f"Resuming from {out / CHECKPOINT} after epoch {initial_epoch}.")
+
+    global_batch = args.batch_size * rt.size
+    rt.log(f"{task.name}: input {task.spatial_shape(args) + (channels,)}, {rt.size} rank(s) x batch "
+           f"{args.batch_size} = global batch {global_batch}, {train_ds.steps} steps/epoch, "
+           f"{'LMS ' + str(wrap_kwargs(args) or 'defaults') if args.lms else 'no LMS'}, "
+           f"data: {args.data_dir or 'synthetic'}, out: {out}")
+    meta = {"example": task.name, "args": vars(args)}
+    callbacks = make_callbacks(args, rt, out, history, resumed=bool(initial_epoch), meta=meta, train_ds=train_ds)
+    verbose = args.verbose if rt.is_root else 0
+
+    t0 = time.perf_counter()
+    fit_history = {}
+    if initial_epoch < args.epochs:
+        fit_history = model.fit(train_data, validation_data=val_data, epochs=args.epochs, initial_epoch=initial_epoch,
+                                callbacks=callbacks, verbose=verbose).history
+    else:
+        rt.log(f"Already trained for {initial_epoch} >= --epochs {args.epochs} epochs; nothing to train.")
+    train_seconds = time.perf_counter() - t0
+    if not rt.is_root:
+        return None
+    return write_artefacts(args, task, model, base, val_ds, history, fit_history, train_seconds, rt, out,
+                           initial_epoch, channels)
+
+
+def dry_run(args, task: Task, channels: int, rt: Runtime, out: pathlib.Path) -> dict:
+    """Build and save the model for these flags, print what keras-lms predicts for one training step."""
+    model, _ = build_model(args, task, channels, Runtime(), None)  # a single-rank optimizer is enough here
+    model.optimizer.build(model.trainable_variables)  # saved with its slots: loads without warnings
+    model.save(out / "model.keras")
+    rep = keras_lms.report(model, batch_size=args.batch_size)
+    rep.plot(out / "activation_report.png")
+    text = rep.to_text()
+    (out / "activation_report.txt").write_text(text + "\n")
+    print(text)
+    print(f"model written to {out / 'model.keras'}; e.g. keras-lms report {out / 'model.keras'} "
+          f"--batch-size {args.batch_size} --budget 6GiB --plot {out / 'report.png'}")
+    return {k: jsonable(v) for k, v in rep.totals.items()}
