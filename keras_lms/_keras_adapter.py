@@ -1,6 +1,6 @@
 """The only module that touches private Keras API.
 
-keras-lms needs six things Keras 3 does not expose publicly:
+keras-lms needs these things Keras 3 does not expose publicly:
 
 * run a layer's *original* ``call`` statelessly while collecting only the losses that ``call`` adds
   (``Layer.stateless_call(return_losses=True)`` also returns weight-regularisation losses, which Keras
@@ -13,11 +13,18 @@ keras-lms needs six things Keras 3 does not expose publicly:
   arguments) that the forward call ran under (:class:`CallInContext`);
 * on torch, flatten nested structures without the reference cycles Keras' torch tree utilities create
   (:func:`acyclic_torch_trees`), so a tensor dies when its last user drops it, not at the next garbage
-  collection.
+  collection;
+* on TensorFlow, replay BatchNormalization's batch statistics and a Dense/Conv layer's pre-activation in the
+  recompute (:func:`batchnorm_moments_hook`, :func:`batchnorm_reduction_axes`, :func:`fused_activation`);
+* for ``keras_lms.horovod``: key, list and save an optimizer's variables as Keras does
+  (:func:`optimizer_variable_key`, :func:`optimizer_trainable_variables`, :func:`serialize_like`) and find
+  RMSprop's momentum buffers (:func:`rmsprop_momentums`).
 
-Everything here is pinned to the Keras range in pyproject.toml; ``tests/test_keras_adapter.py`` (and
-``tests/torch/test_keras_adapter.py`` for the torch back end) fails loudly when a Keras release changes one
-of these assumptions.
+No other module of keras-lms imports ``keras.src`` or reads a private attribute of a Keras object
+(``tests/test_keras_adapter.py`` greps the sources). Everything here is pinned to the Keras range in
+pyproject.toml; ``tests/test_keras_adapter.py`` (and ``tests/torch/test_keras_adapter.py`` for the torch back
+end) has a canary per assumption that fails loudly, naming the function, when a Keras release changes one; a
+private attribute that is gone raises :class:`RuntimeError` naming the function and the Keras versions.
 """
 
 from __future__ import annotations
@@ -25,41 +32,33 @@ from __future__ import annotations
 import contextlib
 
 import keras
+from keras import StatelessScope
 from keras.src.backend.common import global_state
-from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
 from keras.src.layers.layer import CallContext
 
-SUPPORTED_KERAS = (">=3.15", "<3.16")
+from keras_lms._keras_support import SUPPORTED_KERAS, check_keras_version, is_quantized, patched_attribute
 
-__all__ = [
-    "SUPPORTED_KERAS",
-    "check_keras_version",
-    "run_stateless",
-    "raw_values",
-    "patched_calls",
-    "original_call",
-    "CallInContext",
-    "clear_losses",
-    "is_quantized",
-    "functional_operations",
-    "acyclic_torch_trees",
+__all__ = [  # the last line: re-exported from keras_lms._keras_support (public Keras API only)
+    "current_autocast_dtype", "run_stateless", "raw_values", "original_call", "CallInContext", "patched_calls",
+    "clear_losses", "functional_operations", "get_mask", "set_mask", "compute_output_spec", "releasing_graph_runs",
+    "acyclic_torch_trees", "batchnorm_moments_hook", "batchnorm_reduction_axes", "fused_activation",
+    "optimizer_variable_key", "optimizer_trainable_variables", "rmsprop_momentums", "serialize_like",
+    "SUPPORTED_KERAS", "check_keras_version", "is_quantized", "patched_attribute",
 ]
 
 
-def check_keras_version(version: str | None = None) -> None:
-    """Raise ImportError when the installed Keras is outside the range this adapter was written for."""
-    version = version or keras.__version__
-    parts = version.split(".")
+def _private(obj, name: str, function: str):
+    """``obj.<name>``, a private Keras attribute ``function`` relies on; a clear error when Keras dropped it."""
     try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError) as err:  # pragma: no cover - exotic version strings
-        raise ImportError(f"keras-lms cannot parse the Keras version {version!r}") from err
-    if (major, minor) != (3, 15):
-        raise ImportError(
-            f"keras-lms supports Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} but Keras {version} is installed. "
-            "Install a supported Keras (pip install 'keras>=3.15,<3.16') or a keras-lms release for your Keras."
-        )
+        return getattr(obj, name)
+    except AttributeError:
+        raise RuntimeError(
+            f"keras_lms._keras_adapter.{function}() relies on {type(obj).__name__}.{name}, private API of Keras "
+            f"{SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} that Keras {keras.__version__} does not have. The adapter "
+            "needs updating for this Keras (tests/test_keras_adapter.py names each assumption)."
+        ) from None
 
 
 def current_autocast_dtype():
@@ -229,11 +228,6 @@ def clear_losses(layer) -> None:
     layer._clear_losses()
 
 
-def is_quantized(layer) -> bool:
-    """Quantized layers run ``quantized_call``, which our interception does not see."""
-    return getattr(layer, "quantization_mode", None) is not None
-
-
 def functional_operations(model):
     """All operations of a functional graph (layers and ``keras.ops`` nodes), without InputLayers."""
     ops = getattr(model, "_operations", None)
@@ -260,33 +254,45 @@ def set_mask(x, mask) -> None:
         set_keras_mask(x, mask)
 
 
-@contextlib.contextmanager
-def patched_attribute(obj, name: str, value):
-    """Shadow ``obj.name`` with ``value`` on the instance for the duration of the block."""
-    had_own = name in obj.__dict__
-    previous = obj.__dict__.get(name)
-    object.__setattr__(obj, name, value)
-    try:
-        yield
-    finally:
-        if had_own:
-            object.__setattr__(obj, name, previous)
-        else:
-            object.__delattr__(obj, name)
-
-
 def batchnorm_moments_hook(layer):
     """Name of the BatchNormalization method that computes batch statistics, when it can be hooked.
 
     Keras' BatchNormalization.call gets (mean, variance) from ``self._moments(inputs, mask)``; renorm and
     synchronized BatchNorm do more than that, so they are not hooked.
     """
-    import keras
-
     if (type(layer).call is keras.layers.BatchNormalization.call and not getattr(layer, "renorm", False)
             and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
         return "_moments"
     return None
+
+
+def batchnorm_reduction_axes(layer, inputs) -> list[int]:
+    """The axes BatchNormalization's ``_moments`` reduces ``inputs`` over: every axis but ``layer.axis``.
+
+    Why: the TensorFlow back end gives the recompute the forward's batch statistics with their exact gradient,
+    which needs these axes. Keras 3.15 stores them in ``build`` as the private ``_reduction_axes``
+    (``range(ndim)`` without ``axis``); this derives the same list from the public ``axis`` and the input's rank.
+    """
+    ndim = len(inputs.shape)
+    return [i for i in range(ndim) if i != layer.axis % ndim]
+
+
+def fused_activation(layer):
+    """The activation a Dense/Conv-family layer's own ``call`` applies last, as stored on the instance.
+
+    Why: the TensorFlow back end recomputes such a layer's pre-activation by shadowing ``activation`` on the
+    instance with ``linear``, then restores what this returns. Keras 3.15's Dense, EinsumDense and convolution
+    layers store it as an instance attribute in ``__init__`` and their ``call`` reads ``self.activation`` at call
+    time; reading the instance dict (not the attribute) makes the restore exact.
+    """
+    try:
+        return vars(layer)["activation"]
+    except (KeyError, TypeError):
+        raise RuntimeError(
+            f"keras_lms._keras_adapter.fused_activation() expects {type(layer).__name__} to store `activation` on "
+            f"the instance, as Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} does; Keras {keras.__version__} does "
+            "not. The adapter needs updating for this Keras."
+        ) from None
 
 
 def compute_output_spec(fn, *args, **kwargs):
@@ -325,12 +331,10 @@ def _from_first_attempt_state(fn):
 
 def _functional_graphs(models):
     """The ``Function`` objects (functional graphs) that run the given models' calls."""
-    from keras.src.ops.function import Function
-
     graphs, seen = [], set()
     for m in models:
         for candidate in (m, getattr(m, "_functional", None)):  # Sequential runs through its _functional
-            if isinstance(candidate, Function) and id(candidate) not in seen:
+            if isinstance(candidate, keras.Function) and id(candidate) not in seen:
                 seen.add(id(candidate))
                 graphs.append(candidate)
     return graphs
@@ -343,8 +347,7 @@ def _releasing_run_through_graph(fn, inputs, operation_fn=lambda op: op, call_fn
     returns. In graph mode (tf.function) that costs nothing, but in eager back ends (torch) it keeps every
     activation on the device until the end of the forward pass, defeating offloading.
     """
-    from keras.src import tree
-
+    tree = keras.tree
     inputs = tree.flatten(inputs)
     tensor_dict = {}
     for x, y in zip(fn.inputs, inputs):
@@ -507,3 +510,54 @@ def acyclic_torch_trees():
             if _ACYCLIC_DEPTH[0] == 0:
                 impl._dict_to_ordered_dict, impl.traverse = _ACYCLIC_DEPTH[1]
                 _ACYCLIC_DEPTH[1] = None
+
+
+# ------------------------------------------------------------------------------ optimizers (keras_lms.horovod)
+def optimizer_variable_key(optimizer, variable):
+    """The key ``optimizer`` indexes ``variable``'s state by (``Optimizer._var_key``, Keras 3.15).
+
+    Why: the Horovod optimizer keys its own per-variable state (local-gradient registrations, accumulators,
+    allreduce groups) as Keras does, so that a ``keras.Variable`` and the backend variable it wraps are one
+    variable (on TensorFlow the key is the ``tf.Variable``'s unique id).
+    """
+    return _private(optimizer, "_var_key", "optimizer_variable_key")(variable)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables a built ``optimizer`` was built with (``BaseOptimizer._trainable_variables``, Keras 3.15).
+
+    Why: ``apply(grads)`` without variables applies to these (Horovod must know which gradient is whose), and
+    wrapping a built optimizer builds the copy on the same list; Keras has no public accessor.
+    """
+    return list(_private(optimizer, "_trainable_variables", "optimizer_trainable_variables"))
+
+
+def rmsprop_momentums(optimizer) -> list:
+    """A built ``keras.optimizers.RMSprop``'s momentum buffers (``RMSprop._momentums``, Keras 3.15).
+
+    Why: the Horovod learning-rate callbacks rescale momentum buffers when the rate changes; SGD's are public
+    (``SGD.momentums``), RMSprop's are not. Empty when ``momentum`` is 0.
+    """
+    return list(_private(optimizer, "_momentums", "rmsprop_momentums"))
+
+
+def serialize_like(cls: type, base: type) -> None:
+    """Make Keras serialise instances of ``cls`` (a subclass of ``base``) exactly as instances of ``base``.
+
+    Why: ``keras_lms.horovod.DistributedOptimizer`` returns an instance of a subclass made on the fly, and a
+    model saved with it must load without keras-lms or Horovod, as the plain optimizer. Keras 3.15's
+    ``serialize_keras_object`` names a class by its ``keras.*`` export, held in the private registry
+    ``keras.src.api_export.REGISTERED_OBJS_TO_NAMES`` (no public writer), else by its registered custom name,
+    which the public ``keras.saving.register_keras_serializable`` writes.
+    """
+    from keras.src import api_export
+
+    exported = _private(api_export, "REGISTERED_OBJS_TO_NAMES", "serialize_like")
+    public = api_export.get_name_from_symbol(base)
+    if public is not None:
+        exported[cls] = public
+    name = keras.saving.get_registered_name(base)
+    if name != base.__name__:  # ``base`` is registered as "package>name"
+        package, _, short = name.partition(">")
+        keras.saving.register_keras_serializable(package, short)(cls)
+        keras.saving.register_keras_serializable(package, short)(base)  # the name still deserialises ``base``

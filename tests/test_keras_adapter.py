@@ -94,7 +94,7 @@ def test_autocast_and_loss_helpers_exist():
         with adapter.patched_calls([layer], make):
             layer(np.ones((1, 3), "float32"))
         assert seen == ["float16"]
-        assert adapter.raw_values([layer.kernel])[0].dtype == "float32"
+        assert keras.backend.standardize_dtype(adapter.raw_values([layer.kernel])[0].dtype) == "float32"
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     assert adapter.current_autocast_dtype() is None
@@ -125,7 +125,7 @@ def test_releasing_graph_runs_gives_identical_results():
     with adapter.releasing_graph_runs([model]):
         got = model(x, training=False)
     for key in expected:
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(expected[key]))
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got[key]), keras.ops.convert_to_numpy(expected[key]))
     assert "_run_through_graph" not in model.__dict__
 
 
@@ -229,3 +229,230 @@ def test_call_in_context_replays_on_another_thread():
     thread.start()
     thread.join()
     assert 0.2 < float(np.mean(out[0] == 0)) < 0.8
+
+
+# ------------------------------------------------------------------ canaries for the private attributes
+def canary(ok, function: str, assumption: str) -> None:
+    """Fail naming the Keras version and the adapter function whose assumption no longer holds."""
+    assert ok, (f"Keras {keras.__version__} changed what keras_lms._keras_adapter.{function}() relies on (written for "
+                f"Keras {','.join(adapter.SUPPORTED_KERAS)}): {assumption}")
+
+
+def gone(function: str):
+    """The error an adapter function raises when the private attribute it reads is missing (negative control)."""
+    return pytest.raises(RuntimeError, match=rf"_keras_adapter\.{function}\(\).*Keras >=3\.15,<3\.16")
+
+
+def test_stateless_scope_is_the_public_name():
+    canary(adapter.StatelessScope is keras.StatelessScope, "run_stateless", "keras.StatelessScope is public")
+
+
+def test_optimizer_variable_key_is_the_key_keras_indexes_state_by():
+    opt = keras.optimizers.SGD(0.1)
+    a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.zeros(3, "float32"))
+    opt.build([a, b])
+    keys = [adapter.optimizer_variable_key(opt, v) for v in (a, b)]
+    canary(len(set(keys)) == 2 and keys == [adapter.optimizer_variable_key(opt, v) for v in (a, b)],
+           "optimizer_variable_key", "Optimizer._var_key gives each variable one stable key")
+    if keras.backend.backend() == "tensorflow":
+        canary(adapter.optimizer_variable_key(opt, a.value) == keys[0], "optimizer_variable_key",
+               "a keras.Variable and the tf.Variable it wraps have the same _var_key")
+    with gone("optimizer_variable_key"):
+        adapter.optimizer_variable_key(object(), a)
+
+
+def test_optimizer_trainable_variables_are_what_apply_without_variables_updates():
+    a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))
+    for opt in (keras.optimizers.SGD(0.5), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5))):
+        opt.build([a, b])
+        got = adapter.optimizer_trainable_variables(opt)
+        canary(len(got) == 2 and got[0] is a and got[1] is b, "optimizer_trainable_variables",
+               f"{type(opt).__name__}._trainable_variables is the list build() was given")
+    opt = keras.optimizers.SGD(0.5)
+    opt.build([a, b])
+    opt.apply([keras.ops.ones(2), keras.ops.ones(3)])  # no variables: Keras applies to that list
+    np.testing.assert_allclose(np.asarray(a.numpy()), 0.5)
+    with gone("optimizer_trainable_variables"):
+        adapter.optimizer_trainable_variables(object())
+
+
+def test_rmsprop_momentums_are_the_momentum_buffers_the_update_writes():
+    v = keras.Variable(np.ones(3, "float32"))
+    opt = keras.optimizers.RMSprop(0.1, momentum=0.9)
+    opt.build([v])
+    (m,) = adapter.rmsprop_momentums(opt)
+    canary(tuple(m.shape) == (3,) and any(m is w for w in opt.variables) and not np.any(np.asarray(m.numpy())),
+           "rmsprop_momentums", "RMSprop._momentums holds one zero-initialised optimizer variable per variable")
+    opt.apply([keras.ops.ones(3)], [v])
+    canary(np.all(np.asarray(m.numpy()) > 0), "rmsprop_momentums", "RMSprop's update writes RMSprop._momentums")
+    without = keras.optimizers.RMSprop(0.1)
+    without.build([v])
+    assert adapter.rmsprop_momentums(without) == []
+    with gone("rmsprop_momentums"):
+        adapter.rmsprop_momentums(keras.optimizers.RMSprop(0.1, momentum=0.9))  # not built: no buffers yet
+
+
+def test_serialize_like_saves_a_subclass_as_its_base(monkeypatch):
+    base = keras.optimizers.SGD
+    sub = type("SGD", (base,), {"__module__": __name__})
+    expected = {"module": "keras.optimizers", "class_name": "SGD", "registered_name": None,
+                "config": base(0.1, name="opt").get_config()}
+    assert keras.saving.serialize_keras_object(sub(0.1))["module"] == __name__  # negative control: not aliased
+    adapter.serialize_like(sub, base)
+    canary(keras.saving.serialize_keras_object(sub(0.1, name="opt")) == expected, "serialize_like",
+           "serialize_keras_object names a class by keras.src.api_export.REGISTERED_OBJS_TO_NAMES")
+
+    @keras.saving.register_keras_serializable("keras_lms_canary")
+    class Custom(keras.optimizers.SGD):
+        pass
+
+    custom_sub = type("Custom", (Custom,), {"__module__": __name__})
+    assert keras.saving.serialize_keras_object(custom_sub(0.1))["registered_name"] == "Custom"
+    adapter.serialize_like(custom_sub, Custom)
+    saved = keras.saving.serialize_keras_object(custom_sub(0.1))
+    canary(saved["registered_name"] == "keras_lms_canary>Custom", "serialize_like",
+           "serialize_keras_object names a custom class by keras.saving.get_registered_name")
+    assert keras.saving.get_registered_object("keras_lms_canary>Custom") is Custom
+    assert type(keras.saving.deserialize_keras_object(saved)) is Custom
+
+    from keras.src import api_export
+
+    monkeypatch.delattr(api_export, "REGISTERED_OBJS_TO_NAMES")
+    with gone("serialize_like"):
+        adapter.serialize_like(sub, base)
+
+
+@pytest.mark.parametrize("axis,shape", [(-1, (2, 4, 4, 3)), (1, (2, 3, 4, 4)), (1, (4, 5, 3))])
+def test_batchnorm_reduction_axes_are_the_axes_moments_reduces(axis, shape):
+    layer = keras.layers.BatchNormalization(axis=axis)
+    layer.build(shape)
+    hook = adapter.batchnorm_moments_hook(layer)
+    assert hook is not None
+    x = keras.ops.convert_to_tensor(np.random.default_rng(0).random(shape).astype("float32"))
+
+    def same(a, b):
+        a, b = [keras.ops.convert_to_numpy(t) for t in a], [keras.ops.convert_to_numpy(t) for t in b]
+        return all(u.shape == v.shape and np.allclose(u, v, atol=1e-6) for u, v in zip(a, b))
+
+    keras_moments = getattr(layer, hook)(x, None)
+    canary(same(keras_moments, keras.ops.moments(x, adapter.batchnorm_reduction_axes(layer, x))),
+           "batchnorm_reduction_axes", f"BatchNormalization.{hook} reduces over every axis but `axis`")
+    assert not same(keras_moments, keras.ops.moments(x, list(range(1, len(shape)))))  # negative control
+
+
+_KERNEL_LAYERS = {  # name: (constructor with a relu activation, input shape)
+    "Dense": (lambda: keras.layers.Dense(3, activation="relu"), (2, 4)),
+    "EinsumDense": (lambda: keras.layers.EinsumDense("ab,bc->ac", 3, activation="relu"), (2, 4)),
+    "Conv1D": (lambda: keras.layers.Conv1D(3, 2, activation="relu"), (2, 5, 2)),
+    "Conv2D": (lambda: keras.layers.Conv2D(3, 2, activation="relu"), (2, 5, 5, 2)),
+    "Conv3D": (lambda: keras.layers.Conv3D(3, 2, activation="relu"), (2, 4, 4, 4, 2)),
+    "Conv1DTranspose": (lambda: keras.layers.Conv1DTranspose(3, 2, activation="relu"), (2, 5, 2)),
+    "Conv2DTranspose": (lambda: keras.layers.Conv2DTranspose(3, 2, activation="relu"), (2, 5, 5, 2)),
+    "Conv3DTranspose": (lambda: keras.layers.Conv3DTranspose(3, 2, activation="relu"), (2, 4, 4, 4, 2)),
+    "DepthwiseConv1D": (lambda: keras.layers.DepthwiseConv1D(2, activation="relu"), (2, 5, 2)),
+    "DepthwiseConv2D": (lambda: keras.layers.DepthwiseConv2D(2, activation="relu"), (2, 5, 5, 2)),
+    "SeparableConv1D": (lambda: keras.layers.SeparableConv1D(3, 2, activation="relu"), (2, 5, 2)),
+    "SeparableConv2D": (lambda: keras.layers.SeparableConv2D(3, 2, activation="relu"), (2, 5, 5, 2)),
+}
+
+
+def test_the_kernel_layer_table_is_covered():
+    from keras_lms import layer_facts
+
+    assert set(_KERNEL_LAYERS) == set(layer_facts.KERNEL_LAYERS)
+
+
+@pytest.mark.parametrize("name", sorted(_KERNEL_LAYERS))
+def test_fused_activation_is_stored_on_the_instance_and_applied_last(name):
+    make, shape = _KERNEL_LAYERS[name]
+    layer = make()
+    layer.build(shape)
+    rng = np.random.default_rng(1)
+    layer.set_weights([rng.standard_normal(w.shape).astype("float32") for w in layer.get_weights()])
+    x = keras.ops.convert_to_tensor(rng.standard_normal(shape).astype("float32"))
+    out = keras.ops.convert_to_numpy(layer(x))
+    canary(adapter.fused_activation(layer) is keras.activations.relu, "fused_activation",
+           f"{name} stores `activation` on the instance")
+    with adapter.patched_attribute(layer, "activation", keras.activations.linear):
+        pre = keras.ops.convert_to_numpy(layer(x))
+    canary(np.any(pre < 0) and np.allclose(np.maximum(pre, 0), out, atol=1e-6), "fused_activation",
+           f"{name}.call reads self.activation at call time and applies it last")
+    assert adapter.fused_activation(layer) is keras.activations.relu  # restored
+
+
+def test_fused_activation_refuses_an_activation_not_stored_on_the_instance():
+    class PropertyActivation(keras.layers.Dense):
+        activation = property(lambda self: keras.activations.relu, lambda self, value: None)
+
+    with pytest.raises(RuntimeError, match=r"_keras_adapter\.fused_activation\(\).*Keras >=3\.15,<3\.16"):
+        adapter.fused_activation(PropertyActivation(2))
+
+
+# ---------------------------------------------------------------- no private Keras API outside the adapter
+# Private Keras names keras-lms used outside the adapter before issue 14, and the ones the adapter reads.
+KERAS_PRIVATE_NAMES = frozenset({
+    "_var_key", "_trainable_variables", "_learning_rate", "_momentums", "_reduction_axes", "_save_model",
+    "_moments", "_iterations", "_variables", "_operations", "_functional", "_nodes_by_depth", "_run_through_graph",
+    "_get_operation_for_node", "_outputs_struct", "_clear_losses", "_keras_mask", "_get_call_context",
+    "_track_variable", "_get_variable_index", "_trainable_variables_indices", "_get_current_learning_rate",
+    "_dict_to_ordered_dict",
+})
+PACKAGE = pathlib.Path(adapter.__file__).parent
+
+
+def private_keras_uses(source: str) -> list[str]:
+    """``keras.src`` imports, private Keras names (attributes, strings, overriding methods) and instance-dict reads
+    of a named attribute (``x.__dict__["name"]``, ``vars(x)["name"]``) in ``source``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("keras.src")]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.startswith("keras.src") or (module == "keras" and any(a.name == "src" for a in node.names)):
+                found.append(f"{where}: from {module} import ...")
+        elif isinstance(node, ast.Attribute) and (node.attr in KERAS_PRIVATE_NAMES or node.attr == "src"
+                                                  and isinstance(node.value, ast.Name) and node.value.id == "keras"):
+            found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value in KERAS_PRIVATE_NAMES or node.value.startswith("keras.src")):
+            found.append(f"{where}: {node.value!r}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in KERAS_PRIVATE_NAMES:
+            found.append(f"{where}: def {node.name}")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and (
+                isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__"
+                or isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "vars"):
+            found.append(f"{where}: instance dict [{node.slice.value!r}]")
+    return found
+
+
+def test_no_private_keras_api_outside_the_adapter():
+    """The adapter is the one module allowed private Keras API (issue 14, item 5); everything else goes through it."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "_keras_adapter.py":
+            uses = private_keras_uses(path.read_text())
+            if uses:
+                offenders[str(path.relative_to(PACKAGE.parent))] = uses
+    assert not offenders, f"private Keras API outside keras_lms/_keras_adapter.py (use the adapter): {offenders}"
+
+
+@pytest.mark.parametrize("snippet", [
+    "import keras.src.tree", "from keras.src.saving import object_registration", "from keras import src",
+    "keras.src.backend.compute_output_spec", "import importlib; importlib.import_module('keras.src.tree')",
+    "opt._var_key(v)", "getattr(opt, '_trainable_variables', None)", "x = inner._learning_rate",
+    "m = opt._momentums", "unit._reduction_axes", "layer.__dict__['activation']", "vars(layer)['activation']",
+    "class C(keras.callbacks.ModelCheckpoint):\n    def _save_model(self, epoch, batch, logs): ...",
+])
+def test_the_private_api_scan_finds_each_kind_of_use(snippet):
+    """Negative control: the scan finds every kind of use it looks for."""
+    assert private_keras_uses(snippet), snippet
+
+
+def test_the_private_api_scan_finds_the_adapters_own_uses():
+    uses = "\n".join(private_keras_uses((PACKAGE / "_keras_adapter.py").read_text()))
+    for expected in ("from keras.src.layers.layer", "'_var_key'", "'_momentums'", "._nodes_by_depth"):
+        assert expected in uses, expected

@@ -16,6 +16,7 @@ import numbers
 import keras
 import numpy as np
 
+from .. import _keras_adapter as adapter
 from ._hvd import from_wire, hvd, tf, to_wire
 
 
@@ -234,20 +235,23 @@ def _settable_lr_optimizer(model):
     if opt is None:
         raise ValueError("the model has no optimizer; compile it before fit()")
     inner = getattr(opt, "inner_optimizer", opt)  # LossScaleOptimizer delegates learning_rate
-    if isinstance(inner._learning_rate, keras.optimizers.schedules.LearningRateSchedule) or not isinstance(
-        inner._learning_rate, keras.Variable
-    ):
+    # A float learning rate is stored in a variable the optimizer tracks, and `learning_rate` returns that very
+    # variable; a LearningRateSchedule (or a callable) returns a value computed at each read, which cannot be set.
+    lr = inner.learning_rate
+    if not (isinstance(lr, keras.Variable) and any(lr is v for v in inner.variables)):
+        stored = inner.get_config().get("learning_rate")  # a schedule's config names its class
+        name = stored.get("class_name") if isinstance(stored, dict) else None
+        kind = name if name not in (None, "function", "__lambda__") else "a callable"
         raise ValueError(
-            "Learning-rate callbacks need an optimizer created with a float learning_rate (stored as a "
-            f"variable); this optimizer uses {type(inner._learning_rate).__name__}. Either pass a float "
-            "learning_rate, or use the schedule alone without LearningRateWarmupCallback/"
-            "LearningRateScheduleCallback."
+            "Learning-rate callbacks need an optimizer created with a float learning_rate (stored as a variable); "
+            f"this optimizer uses {kind}. Either pass a float learning_rate, or use the schedule alone without "
+            "LearningRateWarmupCallback/LearningRateScheduleCallback."
         )
     return opt
 
 
 def _momentum_buffers(opt):
-    """Variables holding `lr`-scaled momentum: SGD `momentums`, RMSprop `_momentums`.
+    """Variables holding `lr`-scaled momentum: SGD `momentums`, RMSprop's (`adapter.rmsprop_momentums`).
 
     Keras 3 SGD/RMSprop keep the momentum *coefficient* as a Python float that `fit`'s `tf.function`
     bakes into the graph, so Horovod's trick (temporarily multiply the coefficient by new_lr/old_lr for one
@@ -260,7 +264,7 @@ def _momentum_buffers(opt):
     if isinstance(opt, keras.optimizers.SGD) and opt.momentum:
         return list(opt.momentums)
     if isinstance(opt, keras.optimizers.RMSprop) and opt.momentum:
-        return list(opt._momentums)
+        return adapter.rmsprop_momentums(opt)
     return []
 
 
@@ -394,6 +398,11 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
             )
         super().on_train_begin(logs)
 
-    def _save_model(self, epoch, batch, logs):
+    # ModelCheckpoint saves (and tracks the best value) only from these two hooks; other ranks skip them.
+    def on_train_batch_end(self, batch, logs=None):
         if hvd.rank() == self.root_rank:
-            super()._save_model(epoch, batch, logs)
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if hvd.rank() == self.root_rank:
+            super().on_epoch_end(epoch, logs)
