@@ -1,8 +1,8 @@
 """Device-memory peak of one torch training step, measured on the CPU: live tensor storages, plain vs wrapped.
 
-    KERAS_BACKEND=torch python benchmarks/torch_cpu_peak.py                 # issue-15 U-Nets + Dense chain
-    KERAS_BACKEND=torch python benchmarks/torch_cpu_peak.py --large         # + 2D 8x256^2, 3D 2x96^3 (slow)
-    KERAS_BACKEND=torch python benchmarks/torch_cpu_peak.py --quick         # tiny sizes (seconds)
+    KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak                 # issue-15 U-Nets + Dense chain
+    KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --large         # + 2D 8x256^2, 3D 2x96^3 (slow)
+    KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --quick         # tiny sizes (seconds)
 
 No GPU is needed. A ``TorchDispatchMode`` (:class:`LiveStorageTracker`) sees every tensor the step's compute
 produces (forward, loss, backward, optimizer update) and keeps a weak reference to its storage; after each op
@@ -14,7 +14,9 @@ slots) are not counted; host copies are: keras-lms' host buffers come from its p
 For each model it prints the peak of device bytes plain and wrapped (``wrap`` defaults, or ``--forced``),
 once with Python's cyclic garbage collector running normally and once with ``gc.disable()`` for the whole
 step (a GPU runs out of memory long before Python's allocation counters trigger a collection, so the second
-is what a GPU sees), and ``keras_lms.report``'s predicted activation peaks beside them.
+is what a GPU sees), and ``keras_lms.report``'s prediction of the same quantity beside them
+(:func:`predicted_step_bytes`: what the step allocates beyond the weights and optimizer state that exist
+before it).
 """
 
 from __future__ import annotations
@@ -23,12 +25,9 @@ import argparse
 import contextlib
 import gc
 import os
-import pathlib
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import keras
 import numpy as np
@@ -37,6 +36,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import keras_lms
+from benchmarks.models import build_unet
+from keras_lms import planner
 from keras_lms.offload import torch as lms_torch
 
 MIB = float(1 << 20)
@@ -166,9 +167,14 @@ def dense_chain(width=1024, layers=6):
     return keras.Model(inp, keras.layers.Dense(1, name="out")(x), name="dense_chain")
 
 
-def cases(args):
-    from examples.unet import build_unet
+def predicted_step_bytes(memory, model) -> int:
+    """The report's prediction of what :func:`step_peak` measures: the step's peak beyond the weights and
+    optimizer state that exist before it, i.e. the gradients plus the larger of the activation peak and the
+    optimizer update's temporaries (``keras_lms.report(...).plain`` / ``.wrapped`` are ``memory``)."""
+    return planner.variable_bytes(model.trainable_variables) + max(memory.activation_peak_bytes, memory.update_bytes)
 
+
+def cases(args):
     if args.quick:
         yield "2D U-Net d2 f4, 4x32^2", lambda: build_unet((32, 32, 1), depth=2, base_filters=4), (4, 32, 32, 1), {}
         yield "Dense chain 3x256, batch 64 (forced)", lambda: dense_chain(256, 3), (64, 256), dict(
@@ -206,8 +212,8 @@ def measure(name, build, shape, settings, forced=False):
     row["wrapped"], row["host"], row["d2h_copies"] = lms["peak"], lms["host_peak"], lms["d2h_copies"]
     row["wrapped_nogc"] = step_peak(wrapped, x, y, gc_enabled=False, warmup=False)["peak"]
     rep = keras_lms.report(wrapped, batch_size=shape[0])
-    row["report_plain"] = rep.plain.activation_peak_bytes
-    row["report_wrapped"] = rep.wrapped.activation_peak_bytes
+    row["report_plain"] = predicted_step_bytes(rep.plain, model)
+    row["report_wrapped"] = predicted_step_bytes(rep.wrapped, model)
     return row
 
 
@@ -224,8 +230,8 @@ def main(argv=None):
         from keras_lms import _keras_adapter
 
         _keras_adapter.acyclic_torch_trees = contextlib.nullcontext
-    print("| model | plain peak | wrapped, normal GC | ratio | wrapped, GC off | ratio | report plain | "
-          "report wrapped | report ratio | host copies |")
+    print("| model | plain peak | wrapped, normal GC | ratio | wrapped, GC off | ratio | report plain (err) | "
+          "report wrapped (err) | report ratio | host copies |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name, build, shape, settings in cases(args):
@@ -234,7 +240,8 @@ def main(argv=None):
         rows.append(r)
         print(f"| {name} | {r['plain'] / MIB:.1f} MiB | {r['wrapped'] / MIB:.1f} MiB | {r['wrapped'] / r['plain']:.3f} "
               f"| {r['wrapped_nogc'] / MIB:.1f} MiB | {r['wrapped_nogc'] / r['plain_nogc']:.3f} "
-              f"| {r['report_plain'] / MIB:.1f} MiB | {r['report_wrapped'] / MIB:.1f} MiB "
+              f"| {r['report_plain'] / MIB:.1f} MiB ({r['report_plain'] / r['plain_nogc'] - 1:+.0%}) "
+              f"| {r['report_wrapped'] / MIB:.1f} MiB ({r['report_wrapped'] / r['wrapped_nogc'] - 1:+.0%}) "
               f"| {r['report_wrapped'] / r['report_plain']:.3f} | {r['host'] / MIB:.1f} MiB |"
               f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     return rows

@@ -17,10 +17,11 @@ from keras_lms import callbacks, planner  # noqa: E402 - after the Keras version
 from keras_lms.callbacks import MemoryHighWaterMark  # noqa: E402
 from keras_lms.config import LMSConfig  # noqa: E402
 from keras_lms.memory import HostMemoryError  # noqa: E402
-from keras_lms.model import LMSModel, unwrap, wrap  # noqa: E402
+from keras_lms.model import LMSModel  # noqa: E402
 from keras_lms.planner import BudgetError  # noqa: E402
 from keras_lms.policy import PlanEntry  # noqa: E402
 from keras_lms.report import ActivationReport, report  # noqa: E402
+from keras_lms.wrapping import unwrap, wrap  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

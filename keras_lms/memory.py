@@ -1,7 +1,8 @@
-"""Device and host memory readings per back end.
+"""Device and host memory readings, and the host-memory guard.
 
-Device: TensorFlow's allocator statistics (`tf.config.experimental.get_memory_info`; on a CPU-only machine
-the CPU allocator, shared by all logical CPU devices) or `torch.cuda.max_memory_allocated`.
+Device: read by the active back end's offload module (`keras_lms.offload.active_backend()`): TensorFlow's
+allocator statistics (`tf.config.experimental.get_memory_info`; on a CPU-only machine the CPU allocator, shared
+by all logical CPU devices) or `torch.cuda.max_memory_allocated`.
 Host: the process's resident set size (psutil) and its high-water mark (Linux `VmHWM`, which
 `/proc/self/clear_refs` resets, so peaks can be taken per epoch or per batch).
 """
@@ -12,8 +13,10 @@ import logging
 import os
 import pathlib
 
-import keras
 import psutil
+
+from keras_lms import offload
+from keras_lms.offload import DeviceStatsUnavailable
 
 log = logging.getLogger(__name__)  # "keras_lms.memory": propagates to the "keras_lms" logger
 MIB = float(1 << 20)
@@ -22,62 +25,48 @@ _STATUS = pathlib.Path("/proc/self/status")
 _CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
 
 
+def _offload_backend():
+    """The active back end's offload module (which reads its device's allocator), or None on another back end."""
+    try:
+        return offload.active_backend()
+    except NotImplementedError:
+        return None
+
+
 def default_device() -> str:
     """The device whose memory matters: the first GPU when there is one, else the CPU allocator."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-    if keras.backend.backend() == "torch":
-        import torch
-
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    return "cpu"
+    backend = _offload_backend()
+    return "cpu" if backend is None else backend.default_device()
 
 
 def reset_device_peak(device: str) -> None:
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        try:
-            tf.config.experimental.reset_memory_stats(device)
-        except ValueError:
-            _warn_no_stats(device)
-    elif keras.backend.backend() == "torch" and device.startswith("cuda"):
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(device)
+    backend = _offload_backend()
+    if backend is None:
+        return
+    try:
+        backend.reset_device_peak(device)
+    except DeviceStatsUnavailable as err:
+        _warn_no_stats(device, err)
 
 
-def _warn_no_stats(device: str) -> None:
-    """Say once per device why the device peak reads NaN, and how to get it.
-
-    TensorFlow's default CPU allocator keeps no statistics on machines without NUMA; its BFC allocator does.
-    """
+def _warn_no_stats(device: str, err: DeviceStatsUnavailable) -> None:
+    """Say once per device why the device peak reads NaN, and how to get it (the back end's hint)."""
     if device in _warned_no_stats:
         return
     _warned_no_stats.add(device)
-    hint = (" On CPU, set the environment variable TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported."
-            if device.upper().startswith("CPU") else "")
-    log.warning("keras-lms: TensorFlow keeps no allocator statistics for %s, so peak_device_mib is NaN.%s",
-                device, hint)
+    log.warning("keras-lms: %s, so peak_device_mib is NaN.%s", err, err.hint)
 
 
 def device_peak_bytes(device: str) -> int | None:
     """Peak bytes allocated on `device` since the last reset, or None when the back end cannot tell."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        try:
-            return int(tf.config.experimental.get_memory_info(device)["peak"])
-        except (ValueError, RuntimeError):
-            _warn_no_stats(device)
-            return None
-    if keras.backend.backend() == "torch" and device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(device))
-    return None
+    backend = _offload_backend()
+    if backend is None:
+        return None
+    try:
+        return backend.device_peak_bytes(device)
+    except DeviceStatsUnavailable as err:
+        _warn_no_stats(device, err)
+        return None
 
 
 def host_rss_bytes() -> int:

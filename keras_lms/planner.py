@@ -19,6 +19,13 @@ Each backward position also holds the gradients of the call's inputs and outputs
 layers, three more input-sized temporaries. Static memory (weights, gradients, optimizer state, and on
 TensorFlow the layout optimizer's copies of the optimizer slots of 5-D kernels) is added on top.
 
+On torch (``layer_facts.saved_extra_bytes`` / ``backward_temporaries``): autograd also saves a channels-first
+copy of every convolution's input, normalization's centred input, dropout's mask and max pooling's indices
+until the call's backward; an unwrapped Keras functional model keeps every layer output until the forward
+pass returns; an offloaded call is recomputed in its backward; and Adam-like optimizer updates hold three
+weight-sized temporaries (``update_temporary_bytes``). Calibrated against the live tensor storages of a
+training step (benchmarks/torch_cpu_peak.py): within 15% on the U-Nets there, plain and wrapped.
+
 Calibrated against the graph TensorFlow executes, not the graph we build: ``benchmarks/simulated_gpu_peak.py``
 schedules the grappler-optimised step on a virtual GPU and lists the buffers live at its peak; the report's
 peak is within 15% of it on the U-Nets and the ResNet there (docs/benchmarks.md). ``peak_bytes`` is that
@@ -54,6 +61,7 @@ class StepMemory:
 
     static_bytes: int
     timeline: list  # device activation bytes at each of the 2n positions (forward, then backward)
+    update_bytes: int = 0  # the optimizer update's temporaries, after the backward pass
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -61,13 +69,13 @@ class StepMemory:
 
     @property
     def peak_bytes(self) -> int:
-        """The predicted device peak: static bytes plus the activation peak (no margin)."""
-        return self.static_bytes + self.activation_peak_bytes
+        """The predicted device peak: static bytes plus the activation peak or the update's temporaries."""
+        return self.static_bytes + max(self.activation_peak_bytes, self.update_bytes)
 
     @property
     def budget_bytes(self) -> int:
         """What the budget planner compares with ``device_budget``: the peak with BUDGET_MARGIN on activations."""
-        return self.static_bytes + int(self.activation_peak_bytes * BUDGET_MARGIN)
+        return self.static_bytes + max(int(self.activation_peak_bytes * BUDGET_MARGIN), self.update_bytes)
 
 
 class BudgetError(ValueError):
@@ -94,7 +102,7 @@ def _is_max_pooling(unit) -> bool:
 def _reads_output_host_copy(unit) -> bool:
     """Whether the wrapped backward reads the call's output from its consumer's host copy (when one exists)
     instead of keeping it on the device: relu-like layers, and on TensorFlow fused relu-like activations
-    (keras_lms/offload/tensorflow.py). Max pooling is recomputed from its input instead."""
+    (keras_lms/offload/tf_output_gradients.py). Max pooling is recomputed from its input instead."""
     if layer_facts.output_gradient_activation(unit) is not None:
         return True
     import keras
@@ -114,16 +122,23 @@ def _tensors(calls, batch_size):
 
 
 def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
-             arrival: int = SWAP_IN_ARRIVAL) -> StepMemory:
+             arrival: int = SWAP_IN_ARRIVAL, backend: str | None = None, unwrapped: bool = False,
+             update_bytes: int = 0) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
-    Calibrated against the graph TensorFlow executes (benchmarks/simulated_gpu_peak.py): see the module
-    docstring for what each call holds.
+    Calibrated against the graph TensorFlow executes (benchmarks/simulated_gpu_peak.py) and, on torch, against
+    the live tensor storages of a step (benchmarks/torch_cpu_peak.py): see the module docstring for what each
+    call holds. ``unwrapped=True`` models the model without keras-lms: on torch, Keras' functional model
+    keeps every layer output until its forward pass returns (a wrapped model frees each after its last use).
+    ``update_bytes`` are the optimizer update's temporaries (:func:`update_temporary_bytes`).
     """
+    import keras
+
+    backend = backend or keras.backend.backend()
     n = len(calls)
     positions = 2 * n
     if n == 0:
-        return StepMemory(static_bytes, [])
+        return StepMemory(static_bytes, [], update_bytes)
     sizes_in, sizes_out, keys_out = _tensors(calls, batch_size)
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
@@ -156,6 +171,9 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     for i, call in enumerate(calls):
         backward = positions - 1 - i
         reads_inputs, reads_output = backward_reads(call.unit)
+        saved = layer_facts.saved_extra_bytes(call.unit, sum(sizes_in[i]), sum(sizes_out[i]), backend)
+        if saved and not any(offloaded[i]):
+            hold(saved, i, backward)  # what autograd saves besides the inputs and outputs
         if reads_output:
             for key, size in zip(keys_out[i], sizes_out[i]):
                 if key in host_copy and _reads_output_host_copy(call.unit):
@@ -174,19 +192,23 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
             if off and reads_inputs:  # swapped in for this call's backward, prefetch calls early
                 hold(size, arrives(i), backward)
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
-        # (normalization), and the recomputed output of an offloaded max pooling
-        grads = sum(sizes_in[i]) * (1 + backward_temporaries(call.unit)) + sum(sizes_out[i])
-        if any(offloaded[i]) and _is_max_pooling(call.unit):
+        # (normalization; layout copies on torch), and the recomputed output of an offloaded call (max pooling
+        # on TensorFlow, where other offloaded calls differentiate without their output; every one on torch)
+        recomputed = any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch")
+        grads = sum(sizes_in[i]) * (1 + backward_temporaries(call.unit, backend, recomputed)) + sum(sizes_out[i])
+        if recomputed:  # the output, recomputed from the inputs brought back
             grads += sum(sizes_out[i])
         hold(grads, backward, backward)
     for size, start, end in info.values():
         end = n if end is None else end  # model outputs live until the loss's backward starts
+        if unwrapped and backend == "torch":
+            end = max(end, n)
         hold(size, start, end)
     timeline, running = [], 0
     for pos in range(positions):
         running += delta[pos]
         timeline.append(running)
-    return StepMemory(static_bytes, timeline)
+    return StepMemory(static_bytes, timeline, update_bytes)
 
 
 def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0) -> list:
@@ -252,6 +274,37 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
     return out
 
 
+# Optimizers whose torch update keeps no weight-sized temporaries (measured: SGD with or without momentum).
+_TORCH_LEAN_UPDATES = frozenset({"SGD"})
+# Weight-sized temporaries of the other optimizers' torch updates, which run on all variables at once
+# (torch._foreach_* ops): measured 3 for Adam, AdamW and RMSprop with benchmarks/torch_cpu_peak.py's tracker.
+TORCH_UPDATE_TEMPORARIES = 3
+
+
+def update_temporary_bytes(model, optimizer=None, backend: str | None = None) -> int:
+    """Bytes of temporaries the optimizer update holds besides weights, gradients and optimizer state.
+
+    On torch, Keras' optimizers update all variables at once with ``torch._foreach_*`` ops: Adam-like updates
+    hold three trainable-weight-sized temporaries (a Dense chain's step peak is its Adam update). TensorFlow's
+    executed graph updates variable by variable (no such term). Unknown optimizers on torch count as
+    Adam-like; no optimizer (``None``) counts as Adam, Keras' usual choice.
+    """
+    import keras
+
+    backend = backend or keras.backend.backend()
+    if backend != "torch" or type(optimizer).__name__ in _TORCH_LEAN_UPDATES:
+        return 0
+    return TORCH_UPDATE_TEMPORARIES * variable_bytes(model.trainable_variables)
+
+
+def variable_bytes(variables) -> int:
+    """Bytes of ``variables`` (any iterable of Keras variables) in their storage dtype."""
+    import numpy as np
+
+    return sum(int(np.prod(v.shape, dtype=np.int64)) * np.dtype(str(v.dtype).replace("bfloat16", "float16")).itemsize
+               for v in variables)
+
+
 def static_bytes(model, optimizer=None, default_slots: int = 2) -> int:
     """Weights + gradients + optimizer state, in bytes (+ the layout copies below, on TensorFlow).
 
@@ -262,17 +315,13 @@ def static_bytes(model, optimizer=None, default_slots: int = 2) -> int:
     that live the whole step (benchmarks/simulated_gpu_peak.py).
     """
     import keras
-    import numpy as np
 
-    def nbytes(v):
-        return int(np.prod(v.shape, dtype=np.int64)) * np.dtype(str(v.dtype).replace("bfloat16", "float16")).itemsize
-
-    weights = sum(nbytes(v) for v in model.variables)
-    trainable = sum(nbytes(v) for v in model.trainable_variables)
-    five_d = sum(nbytes(v) for v in model.trainable_variables if len(v.shape) == 5)
+    weights = variable_bytes(model.variables)
+    trainable = variable_bytes(model.trainable_variables)
+    five_d = variable_bytes(v for v in model.trainable_variables if len(v.shape) == 5)
     if optimizer is not None and getattr(optimizer, "built", False):
-        opt_state = sum(nbytes(v) for v in optimizer.variables)
-        layout = sum(nbytes(v) for v in optimizer.variables if len(v.shape) == 5)
+        opt_state = variable_bytes(optimizer.variables)
+        layout = variable_bytes(v for v in optimizer.variables if len(v.shape) == 5)
     else:
         opt_state = default_slots * trainable
         layout = default_slots * five_d

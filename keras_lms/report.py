@@ -212,7 +212,8 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     print(larger.totals["predicted_peak_bytes_wrapped"], larger.totals["host_bytes_per_step"])
     ```
     """
-    from keras_lms.model import LMSModel, _backend
+    from keras_lms import offload
+    from keras_lms.model import LMSModel
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
@@ -241,7 +242,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     if isinstance(model_or_wrapped, LMSModel):
         wrapped = model_or_wrapped
         config = config or wrapped.lms_config
-        model, structure = wrapped.inner_model, wrapped._structure
+        model, structure = wrapped.inner_model, wrapped.lms_structure
         optimizer = getattr(wrapped, "optimizer", None)
     else:
         from keras_lms import graph
@@ -253,7 +254,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         config = dataclasses.replace(config, device_budget=parse_bytes(device_budget, "device_budget"))
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; build it or pass input_shape= to report().")
-    backend = _backend()
+    backend = offload.active_backend()
     if input_shape is not None:
         specs = backend.spec_for(tuple([batch_size, *input_shape]), dtype or "float32")
     else:
@@ -265,8 +266,9 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     plan = planner.build_plan(calls, config, batch_size=batch_size, static_bytes=static)
     offloaded = [list(e.tensor_offloaded) for e in plan]
     none = [[False] * len(row) for row in offloaded]
-    plain = planner.simulate(calls, none, batch_size, config.prefetch, static)
-    with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static)
+    update = planner.update_temporary_bytes(model, optimizer)
+    plain = planner.simulate(calls, none, batch_size, config.prefetch, static, unwrapped=True, update_bytes=update)
+    with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static, update_bytes=update)
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
                  output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,

@@ -1,11 +1,16 @@
-"""What the back ends' offload modules share: argument templates and the planned decision for a call."""
+"""What the back ends' offload modules share: the step context's state and per-call decision, the planning
+trace's call recorder, argument templates, example inputs, and which units cannot be offloaded."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+from typing import Callable
 
 import keras
 
+from keras_lms import _keras_adapter as adapter
 from keras_lms import policy
 
 log = logging.getLogger(__name__)
@@ -64,11 +69,128 @@ def declared_inputs(model):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
+def offloadable_reason(unit) -> str | None:
+    """Why the back end cannot offload this unit's calls, or None if it can."""
+    if adapter.is_quantized(unit):
+        return "quantized layers are not intercepted (they run quantized_call)"
+    return None
+
+
+class DeviceStatsUnavailable(RuntimeError):
+    """The back end's allocator keeps no statistics for a device (``keras_lms.memory`` warns once and reads NaN).
+
+    ``hint`` says how to get them, or is empty.
+    """
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFacts:
+    """How a back end reads its tensors: which leaves are tensors, and a tensor's shape, dtype name and rank."""
+
+    is_tensor: Callable  # value -> bool
+    shape: Callable  # tensor -> list of dims (None where unknown)
+    dtype: Callable  # tensor -> dtype name, e.g. "float32"
+    rank: Callable  # tensor -> int
+    flatten: Callable = keras.tree.flatten  # structure -> leaves, in the order the back end flattens
+
+    def tensors(self, structure) -> list:
+        return [leaf for leaf in self.flatten(structure) if self.is_tensor(leaf)]
+
+
+class CallRecorder:
+    """The planning trace's stand-in for every unit's ``call``: runs it and notes a ``policy.RawCall`` (shapes).
+
+    ``make_wrapper`` goes to ``_keras_adapter.patched_calls``; ``calls`` lists the unit calls in forward order.
+    The traced tensors are held until the trace ends, so their ``id`` (a call's ``keys``) is unique within it.
+    """
+
+    def __init__(self, structure, facts: TensorFacts):
+        self.structure, self.facts = structure, facts
+        self.calls, self._held = [], []
+
+    def clear(self) -> None:
+        """Forget what was recorded (a trace that is run again from the start)."""
+        self.calls.clear()
+        self._held.clear()
+
+    def make_wrapper(self, unit, original):
+        facts = self.facts
+
+        def recording_call(*args, **kw):
+            tensors = facts.tensors((args, kw))
+            outputs = original(*args, **kw)
+            outs = facts.tensors(outputs)
+            self._held.extend(tensors + outs)
+            self.calls.append(policy.RawCall(
+                unit=unit,
+                enclosing=self.structure.unit_models.get(id(unit), []),
+                shapes=[facts.shape(t) for t in tensors],
+                dtypes=[facts.dtype(t) for t in tensors],
+                ranks=[facts.rank(t) for t in tensors],
+                keys=[id(t) for t in tensors],
+                output_shapes=[facts.shape(t) for t in outs],
+                output_dtypes=[facts.dtype(t) for t in outs],
+                offloadable=offloadable_reason(unit),
+                output_keys=[id(t) for t in outs],
+            ))
+            return outputs
+
+        return recording_call
+
+
+def example_inputs(model, batch_size: int, spec_for, map_structure=keras.tree.map_structure):
+    """Placeholder specs (made by ``spec_for(shape, dtype)``) for a built model's inputs at ``batch_size``, or
+    None when the model does not say its input shape."""
+    declared = declared_inputs(model)
+    if declared is not None:
+        return map_structure(lambda kt: spec_for([batch_size] + list(kt.shape[1:]), kt.dtype), declared)
+    build = model.get_build_config() if hasattr(model, "get_build_config") else None
+    shape = (build or {}).get("input_shape")
+    if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):
+        return None
+    return spec_for([batch_size] + list(shape[1:]), "float32")
+
+
 class InterceptingContext:
-    """Base of the back ends' StepContext: hands each intercepted unit call, numbered in forward order, to
-    ``self.call(index, unit, original, args, kwargs)``."""
+    """Base of the back ends' StepContext: the step's settings and plan, and each intercepted unit call,
+    numbered in forward order, handed to ``self.call(index, unit, original, args, kwargs)``.
+
+    ``host`` is the resolved host device; a subclass adds its caches and says how big a tensor is
+    (``tensor_bytes``) and what its rank is (``tensor_rank``).
+    """
 
     index = 0
+
+    def __init__(self, config, structure, plan, eager: bool, host: str):
+        self.config = config
+        self.structure = structure
+        self.plan = plan  # list[PlanEntry] for this input signature
+        self.eager = eager
+        self.host = host
+        self.index = 0
+        self.mismatch_warned = False
+
+    @staticmethod
+    def tensor_bytes(tensor) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def tensor_rank(tensor) -> int:
+        raise NotImplementedError
+
+    def _decision(self, index, unit, tensors):
+        """The plan's decision for call ``index`` of ``unit`` on ``tensors`` (see ``planned_decision``)."""
+        sizes = [self.tensor_bytes(t) for t in tensors]
+        ranks = [self.tensor_rank(t) for t in tensors]
+        return planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit))
+
+    def forward_scope(self):
+        """A context manager around the wrapped model's forward pass; none by default."""
+        return contextlib.nullcontext()
 
     def make_wrapper(self, unit, original):
         def intercepted_call(*args, **kwargs):

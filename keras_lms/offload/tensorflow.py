@@ -1,22 +1,24 @@
-"""How a tensor goes to host and comes back on the TensorFlow back end.
+"""How a tensor goes to host and comes back on the TensorFlow back end: the step context and its per-call record.
 
-For every offloaded layer call ``y = layer(x)`` (see DESIGN.md, "Mechanism"):
+For every offloaded layer call ``y = layer(x)`` (docs/design.md, "One training step"):
 
 1. forward: ``y`` is computed by the layer's original ``call`` under a StatelessScope, inside a
    ``tf.custom_gradient`` function whose inputs are ``x`` and the layer's trainable values; the new
    non-trainable values (BatchNorm moving statistics, Dropout seed state) are assigned once, outside;
-2. swap-out: ``tf.identity(x)`` under ``tf.device(host)``, once per tensor per step, shared by all consumers;
-3. backward: the host copy is brought back by a ``tf.identity`` on the compute device that carries a control
-   dependency on a gradient of the backward pass (this call's own gradient, or with ``prefetch=N`` the
-   gradient of the call N calls later), so it cannot run during the forward pass; the layer is recomputed
-   from the swapped-in inputs with the *snapshot* of its non-trainable values, and the VJP is taken under a
-   local tape. TensorFlow prunes recompute ops that no gradient needs.
+2. swap-out: a host op (``_HOST_OP``) under ``tf.device(host)``, once per tensor per step, shared by all consumers;
+3. backward: the host copy is brought back by a host op that carries a control dependency on a gradient of the
+   backward pass (this call's own gradient, or with ``prefetch=N`` the gradient of the call N calls later), so
+   it cannot be sent during the forward pass; the layer is recomputed from the swapped-in inputs with the
+   *snapshot* of its non-trainable values, and the VJP is taken under a local tape. TensorFlow prunes
+   recompute ops that no gradient needs.
 4. fused activations: for Dense/Conv-family layers whose activation's derivative is a function of its output
    (relu, sigmoid, tanh, elu), the gradient of the activation is taken from the layer's *output*, which is
    the next layer's offloaded input; the layer is then recomputed without its activation, so the forward
    convolution itself is never recomputed (only its input/filter gradients are computed).
 
-The forward tensors the backward pass reads are then the host copies and small tensors only.
+The forward tensors the backward pass reads are then the host copies and small tensors only. The rest of the
+back end (``tf_devices``, ``tf_tracing``, ``tf_output_gradients``) is re-exported here; ``StepContext`` looks the
+output-gradient functions up in this module (tests replace them here to count their uses).
 """
 
 from __future__ import annotations
@@ -28,8 +30,23 @@ import keras
 import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import layer_facts, policy
+from keras_lms import policy
 from keras_lms.offload import common
+from keras_lms.offload.common import offloadable_reason
+from keras_lms.offload.tf_devices import (
+    default_device,
+    device_peak_bytes,
+    executing_eagerly,
+    reset_device_peak,
+    validate_host_device,
+)
+from keras_lms.offload.tf_devices import on_device as _on_device
+from keras_lms.offload.tf_output_gradients import fused_activation_grad, input_gradient_from_output, reads_own_output
+from keras_lms.offload.tf_tracing import TENSOR_FACTS, example_inputs, signature_of, spec_for, trace_calls
+
+__all__ = ["StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
+           "fused_activation_grad", "input_gradient_from_output", "offloadable_reason", "reads_own_output",
+           "reset_device_peak", "signature_of", "spec_for", "trace_calls", "validate_host_device"]
 
 SWAP_OUT_NAME = "lms_swap_out"
 SWAP_IN_NAME = "lms_swap_in"
@@ -45,54 +62,6 @@ def _HOST_OP(tensor, name):
     ``tests/test_executed_graph.py`` checks on the partitioned graph TensorFlow runs that the ops survive.
     """
     return tf.raw_ops.EnsureShape(input=tensor, shape=tensor.shape, name=name)
-
-
-def _output_gradient_fns():
-    """activation name -> f(y, dy) giving d(activation)/d(input) * dy from the activation's output.
-
-    These are the ops TensorFlow's own registered gradients of Relu/Sigmoid/Tanh/Elu emit, fed the same
-    output tensor, and they are elementwise (no reduction whose order could differ). Checked bit-identical to
-    the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
-    (tests/test_output_gradients.py). Only these four: keep a new entry only if that test shows it exact.
-    Which layers qualify is a layer fact (keras_lms.layer_facts); the kernels are this back end's.
-    """
-    return {
-        "relu": lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
-        "sigmoid": lambda y, dy: tf.raw_ops.SigmoidGrad(y=y, dy=dy),
-        "tanh": lambda y, dy: tf.raw_ops.TanhGrad(y=y, dy=dy),
-        "elu": lambda y, dy: tf.raw_ops.EluGrad(gradients=dy, outputs=y),
-    }
-
-
-def input_gradient_from_output(unit):
-    """``fn(y, dy)`` giving d(unit)/d(input) * dy from the unit's output ``y``, or None.
-
-    For the activation layers ``ReLU()`` and ``Activation("relu"|"sigmoid"|"tanh"|"elu")``, whose gradient
-    TensorFlow itself computes from the op's output: using the output's host copy (the next layer's input)
-    avoids the recompute and needs no input at all.
-
-    Max pooling is recomputed instead (None). A standalone ``MaxPoolGrad``/``MaxPool3DGrad`` fed the host
-    copies is not what the plain model runs: with oneDNN (TensorFlow's default on recent x86 CPUs) the plain
-    graph pairs the forward pooling with its gradient through a workspace of argmax indices, while a lone
-    gradient op runs another kernel. Measured against the plain model in float32: MaxPooling3D 0.7 relative
-    gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
-    overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
-    """
-    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
-
-
-def reads_own_output(unit) -> bool:
-    """Whether the unit's gradient can be taken from its output (fused activation or output-based layer)."""
-    return fused_activation_grad(unit) is not None or input_gradient_from_output(unit) is not None
-
-
-def fused_activation_grad(unit):
-    """The output-based activation gradient for ``unit``, or None when the trick does not apply.
-
-    Only for Dense/Conv-family layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a
-    subclass that overrides ``call`` is always fully recomputed.
-    """
-    return _output_gradient_fns().get(layer_facts.fused_output_activation(unit))
 
 
 @dataclasses.dataclass
@@ -122,43 +91,6 @@ class _CallRecord:
     output_key: object = None  # ref of the (first) output, to find the host copy a consumer made of it
 
 
-def _is_tensor(value) -> bool:
-    return isinstance(value, tf.Tensor)
-
-
-def executing_eagerly() -> bool:
-    return tf.executing_eagerly()
-
-
-def _on_device(device):
-    """``tf.device(device)``, or no scope when the forward ops carried no device of their own.
-
-    Unplaced forward ops run where the placer puts the step (the GPU, or the device the user's ``tf.device``
-    scope or Horovod's pinning names); the backward ops must then stay unplaced too, so they land on the same
-    device. Naming a default here would be wrong whenever it is not that device (e.g. a second CPU device).
-    """
-    return tf.device(device) if device else contextlib.nullcontext()
-
-
-def validate_host_device(host_device: str) -> str:
-    """Resolve ``host_device`` to a CPU device that exists, or say which ones do."""
-    try:
-        spec = tf.DeviceSpec.from_string(host_device)
-    except ValueError as err:
-        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.") from err
-    if (spec.device_type or "").upper() != "CPU":
-        raise ValueError(
-            f"host_device={host_device!r} is not a CPU device. keras-lms offloads activations to host memory; "
-            "use '/CPU:0'."
-        )
-    index = spec.device_index or 0
-    cpus = tf.config.list_logical_devices("CPU")
-    if index >= len(cpus):
-        names = ", ".join(d.name for d in cpus)
-        raise ValueError(f"host_device={host_device!r} does not exist on this machine; available: {names}.")
-    return f"/CPU:{index}"
-
-
 class StepContext(common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode.
 
@@ -166,17 +98,17 @@ class StepContext(common.InterceptingContext):
     """
 
     def __init__(self, config, structure, plan, eager: bool):
-        self.config = config
-        self.structure = structure
-        self.plan = plan  # list[PlanEntry] for this input signature
-        self.eager = eager
-        self.host = validate_host_device(config.host_device)
-        self.index = 0
+        super().__init__(config, structure, plan, eager, host=validate_host_device(config.host_device))
         self.host_copies = {}  # tensor ref -> host tensor
         self.swap_ins = {}  # host tensor ref -> latest swapped-in device tensor
         self.records = {}  # call index -> _CallRecord (offloaded calls only)
         self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
-        self.mismatch_warned = False
+
+    @staticmethod
+    def tensor_bytes(tensor) -> int:
+        return policy.tensor_bytes(tensor.shape, tensor.dtype)
+
+    tensor_rank = staticmethod(TENSOR_FACTS.rank)
 
     # ------------------------------------------------------------------ forward
     def call(self, index, unit, original, args, kwargs):
@@ -195,11 +127,6 @@ class StepContext(common.InterceptingContext):
             # output's host copy when a consumer made one (see _swapped_in_output).
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
-    def _decision(self, index, unit, tensors):
-        sizes = [policy.tensor_bytes(t.shape, t.dtype) for t in tensors]
-        ranks = [t.shape.rank or 0 for t in tensors]
-        return common.planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit))
-
     def swap_out(self, tensor):
         if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends
             with tf.device(self.host):
@@ -215,7 +142,7 @@ class StepContext(common.InterceptingContext):
         return host
 
     def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
-        template, positions = common.template(args, kwargs, _is_tensor)
+        template, positions = common.template(args, kwargs, TENSOR_FACTS.is_tensor)
         n = len(tensors)
         is_layer = isinstance(unit, keras.layers.Layer)
         # Read values now: the snapshot must not see this step's state updates (same Dropout masks and
@@ -398,7 +325,8 @@ def _capture_moments(unit, record):
 
     def recording_moments(inputs, mask):
         mean, variance = original(inputs, mask)
-        record.moments.append(None if mask is not None else (mean, variance, unit._reduction_axes))
+        record.moments.append(None if mask is not None
+                              else (mean, variance, adapter.batchnorm_reduction_axes(unit, inputs)))
         return mean, variance
 
     with adapter.patched_attribute(unit, hook, recording_moments):
@@ -463,94 +391,9 @@ class _without_activation:
 
     def __enter__(self):
         if self.enabled:
-            self.saved = self.unit.__dict__["activation"]
+            self.saved = adapter.fused_activation(self.unit)
             object.__setattr__(self.unit, "activation", keras.activations.linear)
 
     def __exit__(self, *exc):
         if self.enabled:
             object.__setattr__(self.unit, "activation", self.saved)
-
-
-def offloadable_reason(unit) -> str | None:
-    """Why the TensorFlow back end cannot offload this unit's calls, or None if it can."""
-    if adapter.is_quantized(unit):
-        return "quantized layers are not intercepted (they run quantized_call)"
-    return None
-
-
-def _spec(value):
-    if isinstance(value, tf.Tensor):
-        return tf.TensorSpec(value.shape, value.dtype)
-    return value
-
-
-def signature_of(inputs, kwargs):
-    """Hashable key of a call's tensor shapes/dtypes: one plan per traced input signature."""
-    leaves = tf.nest.flatten((inputs, kwargs))
-    return tuple(
-        (tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None, leaf.dtype.name)
-        if isinstance(leaf, tf.Tensor) else repr(leaf)
-        for leaf in leaves
-    )
-
-
-def trace_calls(model, structure, inputs, kwargs) -> list:
-    """Trace ``model(inputs, training=True)`` in a throw-away graph and list its unit calls in order.
-
-    Only shapes are recorded; the trace runs nothing and leaves no state behind (losses added during the
-    trace are cleared).
-    """
-    calls = []
-
-    def make_recorder(unit, original):
-        def recording_call(*args, **kw):
-            tensors = [t for t in tf.nest.flatten((args, kw)) if isinstance(t, tf.Tensor)]
-            outputs = original(*args, **kw)
-            outs = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
-            calls.append(policy.RawCall(
-                unit=unit,
-                enclosing=structure.unit_models.get(id(unit), []),
-                shapes=[_shape(t) for t in tensors],
-                dtypes=[t.dtype.name for t in tensors],
-                ranks=[t.shape.rank or 0 for t in tensors],
-                keys=[id(t) for t in tensors],
-                output_shapes=[_shape(t) for t in outs],
-                output_dtypes=[t.dtype.name for t in outs],
-                offloadable=offloadable_reason(unit),
-                output_keys=[id(t) for t in outs],
-            ))
-            return outputs
-
-        return recording_call
-
-    specs = tf.nest.map_structure(_spec, (inputs, kwargs))
-
-    def forward(spec_inputs, spec_kwargs):
-        return model(spec_inputs, training=True, **spec_kwargs)
-
-    with adapter.patched_calls(structure.units, make_recorder):
-        tf.function(forward, autograph=False).get_concrete_function(*specs)
-    adapter.clear_losses(model)
-    return calls
-
-
-def _shape(t):
-    return t.shape.as_list() if t.shape.rank is not None else []
-
-
-def example_inputs(model, batch_size: int):
-    """Placeholder specs for a built model's inputs, or None when the model does not say its input shape."""
-    declared = common.declared_inputs(model)
-    if declared is not None:
-        return tf.nest.map_structure(lambda kt: tf.TensorSpec([batch_size] + list(kt.shape[1:]), kt.dtype),
-                                     declared)
-    build = model.get_build_config() if hasattr(model, "get_build_config") else None
-    shape = (build or {}).get("input_shape")
-    if shape is None or not isinstance(shape, (list, tuple)) or not shape or isinstance(shape[0], (list, tuple, dict)):
-        return None
-    return tf.TensorSpec([batch_size] + list(shape[1:]), "float32")
-
-
-def spec_for(shape, dtype):
-    """A placeholder spec for trace_calls from a shape (with batch axis) and dtype."""
-    return tf.TensorSpec(shape, dtype)

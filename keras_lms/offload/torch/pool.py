@@ -1,0 +1,83 @@
+"""The host buffer pool: pinned host buffers keyed by shape and dtype, reused across steps."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class HostBufferPool:
+    """Host buffers keyed by ``(shape, dtype)``, reused across steps (pinned allocation costs milliseconds).
+
+    ``acquire`` hands out an idle buffer of that key or allocates one (pinned when ``pin``); ``release`` returns
+    it. ``new_step`` drops idle buffers whose key was not used during the previous step (input sizes changed),
+    so the pool holds about one step's worth of host memory. Thread-safe: backward passes run on torch's
+    autograd device threads. Ordering on the device is the caller's business: every copy into or out of a
+    pooled buffer is issued on the one copy stream, so a reused buffer cannot be overwritten early.
+    """
+
+    def __init__(self, pin: bool | None = None):
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self._idle: dict = {}
+        self._last_used: dict = {}
+        self._lock = threading.RLock()  # reentrant: release may run from __del__ during an acquire
+        self.step = 0
+        self.allocations = 0
+        self.reuses = 0
+        self.lent = 0
+
+    @staticmethod
+    def key(shape, dtype) -> tuple:
+        return tuple(int(d) for d in shape), dtype
+
+    def acquire(self, shape, dtype) -> torch.Tensor:
+        key = self.key(shape, dtype)
+        with self._lock:
+            self._last_used[key] = self.step
+            self.lent += 1
+            idle = self._idle.get(key)
+            if idle:
+                self.reuses += 1
+                return idle.pop()
+            self.allocations += 1
+        return torch.empty(key[0], dtype=dtype, device="cpu", pin_memory=self.pin)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        key = self.key(buffer.shape, buffer.dtype)
+        with self._lock:
+            self.lent -= 1
+            self._idle.setdefault(key, []).append(buffer)
+
+    def new_step(self) -> None:
+        with self._lock:
+            self.step += 1
+            for key in [k for k, last in self._last_used.items() if last < self.step - 1]:
+                self._idle.pop(key, None)
+                del self._last_used[key]
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() * b.element_size() for bufs in self._idle.values() for b in bufs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._last_used.clear()
+
+
+_POOL: HostBufferPool | None = None
+
+
+def host_pool() -> HostBufferPool:
+    """The process-wide host buffer pool (pinned when CUDA is available)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = HostBufferPool()
+    return _POOL
+
+
+def clear_host_pool() -> None:
+    """Free the idle host buffers (e.g. between runs at different input sizes)."""
+    if _POOL is not None:
+        _POOL.clear()
