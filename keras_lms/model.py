@@ -311,9 +311,10 @@ class LMSModel(keras.Model):
 
     @jit_compile.setter
     def jit_compile(self, value):
+        # Keras' Trainer assigns jit_compile in compile(); the getter above always answers False, so nothing is
+        # stored (Keras' private `_jit_compile` is read only by the Trainer getter this class overrides).
         if value is True:
             raise ValueError(XLA_MESSAGE)
-        self._jit_compile = False
 
     # ------------------------------------------------------------------- saving
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):

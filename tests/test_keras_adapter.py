@@ -395,7 +395,7 @@ KERAS_PRIVATE_NAMES = frozenset({
     "_moments", "_iterations", "_variables", "_operations", "_functional", "_nodes_by_depth", "_run_through_graph",
     "_get_operation_for_node", "_outputs_struct", "_clear_losses", "_keras_mask", "_get_call_context",
     "_track_variable", "_get_variable_index", "_trainable_variables_indices", "_get_current_learning_rate",
-    "_dict_to_ordered_dict",
+    "_dict_to_ordered_dict", "_jit_compile",
 })
 PACKAGE = pathlib.Path(adapter.__file__).parent
 
