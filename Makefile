@@ -28,10 +28,11 @@ $(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
 
 horovod: $(HVD_STAMP)
 
-# The backend-independent suite runs twice: TensorFlow (with Horovod) and torch.
+# One suite, run once per Keras backend: unmarked tests run under both, tests marked `tensorflow` (Horovod, graph
+# inspection) or `torch` (tests/torch/) only under theirs and are skipped, with the reason, under the other.
 test: install
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
-	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests/torch
+	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests
 
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)

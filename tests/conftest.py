@@ -1,4 +1,15 @@
+"""One suite for both Keras backends: ``KERAS_BACKEND=tensorflow pytest tests`` and ``KERAS_BACKEND=torch pytest
+tests`` (Keras picks its backend once per process, so each backend is its own pytest run).
+
+A test is backend-neutral unless marked: ``@pytest.mark.tensorflow`` / ``@pytest.mark.torch`` (a module says it
+with ``pytestmark``) make it run only under that backend; under the other one it is skipped, with the marker's
+``reason=`` where it has one.
+Everything under tests/torch/ is torch-only and everything under tests/horovod/ TensorFlow-only, whether or not
+the module repeats the marker (``_PATH_BACKEND``).
+"""
+
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -6,18 +17,62 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # callback and memory tests read them (keras_lms.memory warns and logs NaN without them).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
+import keras
 import pytest
 
-# The TensorFlow-backend suite (and the Horovod tests) are not collected in the torch run of `make test`;
-# tests/torch/ holds the torch-backend suite and is ignored unless KERAS_BACKEND=torch (its own conftest).
-if os.environ.get("KERAS_BACKEND") == "torch":
-    collect_ignore_glob = ["test_*.py", "horovod/*"]
+BACKEND = keras.backend.backend()
+BACKEND_MARKERS = ("tensorflow", "torch")
+_HERE = pathlib.Path(__file__).resolve().parent
+# Paths under tests/ that belong to one backend as a whole: the directory (or module) -> (backend, reason).
+_PATH_BACKEND = {
+    "torch": ("torch", None),
+    "horovod": ("tensorflow", "keras_lms.horovod runs on TensorFlow"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            top = item.path.resolve().relative_to(_HERE).parts[0]
+        except ValueError:
+            continue
+        backend, reason = _PATH_BACKEND.get(top, (None, None))
+        if backend is not None and item.get_closest_marker(backend) is None:
+            item.add_marker(getattr(pytest.mark, backend)(**({"reason": reason} if reason else {})))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Skip a backend-marked test under another backend, before its fixtures run."""
+    wanted = [name for name in BACKEND_MARKERS if item.get_closest_marker(name) is not None]
+    if wanted and BACKEND not in wanted:
+        reasons = [m.kwargs["reason"] for name in wanted for m in item.iter_markers(name) if "reason" in m.kwargs]
+        pytest.skip(f"{' / '.join(wanted)}-only test (KERAS_BACKEND={BACKEND})" + "".join(f": {r}" for r in reasons))
+
+
+@pytest.fixture(autouse=True)
+def _torch_host_copies(monkeypatch):
+    """On torch without CUDA, make offloading really copy into pool buffers, so every test exercises the data
+    path (the CPU default hands the tensor itself back; see ``no_host_copies``)."""
+    if BACKEND == "torch":
+        from keras_lms.offload import torch as lms_torch
+
+        monkeypatch.setattr(lms_torch, "CPU_HOST_COPIES", True)
+    yield
+
+
+@pytest.fixture
+def no_host_copies(monkeypatch):
+    """torch only: the CPU default, where the 'host copy' of a tensor is the tensor itself."""
+    from keras_lms.offload import torch as lms_torch
+
+    monkeypatch.setattr(lms_torch, "CPU_HOST_COPIES", False)
+    yield
 
 
 @pytest.fixture
 def mixed_precision():
-    import keras
-
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:
         yield
@@ -28,8 +83,6 @@ def mixed_precision():
 @pytest.fixture
 def dtype_policy(request):
     """Float type and dtype policy for one test (indirect parametrisation), restored to float32 afterwards."""
-    import keras
-
     dtype = request.param
     keras.config.set_floatx(dtype)
     keras.config.set_dtype_policy(dtype)

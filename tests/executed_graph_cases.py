@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_lms
-from examples.unet import build_unet
+from benchmarks.models import build_unet
 from keras_lms.offload import tensorflow as tf_offload
 from tests import models
 

@@ -300,7 +300,7 @@ def near_ties(shape, step=0.25, jitter=1e-6):
     return (coarse + _RNG.integers(0, 3, shape) * jitter).astype("float32")
 
 
-# The structures both back ends' numerics suites compare wrapped vs plain on: name -> (build, make inputs).
+# The structures tests/test_numerics.py compares wrapped vs plain on (either backend): name -> (build, inputs).
 ORACLE_CASES = {
     "cnn_bn_dropout": (cnn_bn_dropout, lambda: images()),
     "unet2d": (unet2d, lambda: images(size=32, channels=1)),
@@ -322,8 +322,8 @@ ORACLE_CASES = {
 }
 
 
-# --- keras.applications (weights=None): the model zoo both back ends' suites compare wrapped vs plain on
-# (tests/test_applications.py, tests/torch/test_applications.py): name -> (build, input edge, dtype, tolerance).
+# --- keras.applications (weights=None): the model zoo tests/test_applications.py compares wrapped vs plain on,
+# under either backend: name -> (build, input edge, dtype, tolerance).
 # DenseNet121 at 32x32 with batch 2 has BatchNorm over 1x1 maps, so its float32 gradients are dominated by
 # cancellation; it runs in float64, where the comparison is exact to ~1e-10 (tests/test_applications.py).
 # EfficientNetB0 runs at 64x64 (issue 13's reproduction: stochastic depth is Dropout(noise_shape=(None, 1, 1, 1))).

@@ -1,16 +1,30 @@
-"""The independent oracle: the unwrapped model on the same weights and seeds.
+"""The independent oracle: the unwrapped model on the same weights and seeds, on the active Keras backend.
 
-``compare_step`` runs one training step (forward, loss incl. model.losses, gradients) on the plain model,
-restores every variable (weights, BatchNorm moving statistics, Dropout seed states), runs the same step on
-the wrapped model, and returns both results for comparison.
+``compare_step`` runs one training step (forward, loss incl. ``model.losses``, gradients) on the plain model,
+restores every variable (weights, BatchNorm moving statistics, Dropout seed states) and torch's global RNG,
+runs the same step on the wrapped model, and returns relative errors of loss, outputs, every gradient and the
+state after the step.
+
+Only how a step takes gradients is backend-specific (``_STEPS``, chosen by ``keras.backend.backend()``):
+``tf.GradientTape``, in a ``tf.function`` unless ``graph=False``, on TensorFlow; ``loss.backward()`` and
+``.grad``, as Keras' torch trainer does it, on torch (always eager: ``graph`` is ignored). Everything else is
+``keras.ops`` and NumPy, so both backends compare by the same arithmetic.
 """
 
+import keras
 import numpy as np
-import tensorflow as tf
+
+BACKEND = keras.backend.backend()
+
+
+def _numpy(t):
+    if t is None:
+        return None
+    return t.detach().cpu().numpy() if BACKEND == "torch" else keras.ops.convert_to_numpy(t)
 
 
 def snapshot(model):
-    return [v.numpy().copy() for v in model.variables]
+    return [np.array(_numpy(v.value), copy=True) for v in model.variables]
 
 
 def restore(model, values):
@@ -18,18 +32,53 @@ def restore(model, values):
         v.assign(value)
 
 
-def _loss(outputs, targets):
-    flat_o, flat_t = tf.nest.flatten(outputs), tf.nest.flatten(targets)
-    return tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, t.dtype) - t)) for o, t in zip(flat_o, flat_t)])
+def rng_state():
+    """torch's global RNG states (Keras' torch Dropout without a seed draws its mask from them); None on
+    TensorFlow, where every random layer draws from its SeedGenerator variable (restored with ``restore``)."""
+    if BACKEND != "torch":
+        return None
+    import torch
+
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
-def train_step(model, x, y, graph=True):
+def set_rng_state(state):
+    if state is None:
+        return
+    import torch
+
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _same_rng(a, b):
+    """Whether two ``rng_state()`` results hold the same CPU generator state (always, on TensorFlow)."""
+    if a is None or b is None:
+        return a is b
+    import torch
+
+    return torch.equal(a[0], b[0])
+
+
+def _loss(model, outputs, targets):
+    ops = keras.ops
+    flat_o, flat_t = keras.tree.flatten(outputs), keras.tree.flatten(targets)
+    loss = sum(ops.mean(ops.square(ops.cast(o, t.dtype) - t)) for o, t in zip(flat_o, flat_t))
+    if model.losses:
+        loss = loss + sum(ops.cast(extra, loss.dtype) for extra in model.losses)
+    return loss
+
+
+# ------------------------------------------------------------------------ the backend-specific part
+def _tensorflow_step(model, x, y, graph):
+    import tensorflow as tf
+
     def step():
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            loss = _loss(out, y)
-            if model.losses:
-                loss = loss + tf.add_n([tf.cast(extra, loss.dtype) for extra in model.losses])
+            loss = _loss(model, out, y)
         grads = tape.gradient(loss, model.trainable_variables)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         return loss, grads, tf.nest.flatten(out)
@@ -37,11 +86,59 @@ def train_step(model, x, y, graph=True):
     return tf.function(step)() if graph else step()
 
 
+def _to_tensors(x):
+    return keras.tree.map_structure(lambda a: keras.ops.convert_to_tensor(a) if isinstance(a, np.ndarray) else a, x)
+
+
+def _torch_step(model, x, y, graph):
+    for v in model.trainable_variables:
+        v.value.grad = None
+    out = model(_to_tensors(x), training=True)
+    loss = _loss(model, out, y)
+    loss.backward()
+    grads = [None if v.value.grad is None else v.value.grad.detach().clone() for v in model.trainable_variables]
+    for v in model.trainable_variables:
+        v.value.grad = None
+    return loss.detach(), grads, [o.detach() for o in keras.tree.flatten(out)]
+
+
+_STEPS = {"tensorflow": _tensorflow_step, "torch": _torch_step}
+
+
+def train_step(model, x, y, graph=True):
+    """One training step: (loss, [gradient or None per trainable variable], [flat outputs]) as NumPy."""
+    loss, grads, out = _STEPS[BACKEND](model, x, y, graph)
+    return _numpy(loss), [_numpy(g) for g in grads], [_numpy(o) for o in out]
+
+
+def input_gradient(model, x, graph=True):
+    """The training-mode output for NumPy input ``x`` and the gradient of its sum with respect to ``x``."""
+    if BACKEND == "torch":
+        x = keras.ops.convert_to_tensor(x).requires_grad_(True)
+        out = model(x, training=True)
+        out.sum().backward()
+        return _numpy(out.detach()), _numpy(x.grad)
+    import tensorflow as tf
+
+    x = tf.constant(x)
+
+    def grad():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = model(x, training=True)
+        return out, tape.gradient(out, x)
+
+    out, g = tf.function(grad)() if graph else grad()
+    return _numpy(out), _numpy(g)
+
+
+# ------------------------------------------------------------------------------------- comparison
 def targets_for(model, x):
-    out = model(x, training=False)
+    out = model(_to_tensors(x), training=False)
     rng = np.random.default_rng(1)
-    dtype = lambda o: "float64" if o.dtype == tf.float64 else "float32"  # noqa: E731
-    return tf.nest.map_structure(lambda o: tf.constant(rng.random(o.shape).astype(dtype(o))), out)
+    dtype = lambda o: "float64" if keras.backend.standardize_dtype(o.dtype) == "float64" else "float32"  # noqa: E731
+    return keras.tree.map_structure(
+        lambda o: keras.ops.convert_to_tensor(rng.random(tuple(o.shape)).astype(dtype(o))), out)
 
 
 def relative_error(a, b, zero_below=0.0):
@@ -56,13 +153,16 @@ def relative_error(a, b, zero_below=0.0):
 def compare_step(plain, wrapped, x, y=None, graph=True):
     """Return a dict of relative errors (loss, outputs, per-gradient max, state max) wrapped vs plain."""
     y = targets_for(plain, x) if y is None else y
-    start = snapshot(plain)
+    start, rng = snapshot(plain), rng_state()
     loss_p, grads_p, out_p = train_step(plain, x, y, graph)
-    state_p = snapshot(plain)
+    state_p, rng_p = snapshot(plain), rng_state()
     restore(plain, start)
+    set_rng_state(rng)
     loss_w, grads_w, out_w = train_step(wrapped, x, y, graph)
-    state_w = snapshot(plain)
+    state_w, rng_w = snapshot(plain), rng_state()
     restore(plain, start)
+    # The wrapped step draws exactly the random numbers the plain one draws (the recompute re-uses them).
+    assert _same_rng(rng_p, rng_w), "the wrapped step advanced torch's CPU RNG differently"
     assert len(grads_p) == len(grads_w)
     missing = [v.path for v, gp, gw in zip(plain.trainable_variables, grads_p, grads_w) if (gp is None) != (gw is None)]
     assert not missing, f"gradient connectivity differs for {missing}"

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow(
+    reason="the reference documents keras_lms.horovod (TensorFlow only); the examples run in TensorFlow subprocesses")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 API_DOCS = runpy.run_path(str(REPO / "scripts" / "api_docs.py"), run_name="api_docs")
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None

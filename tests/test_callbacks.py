@@ -1,6 +1,7 @@
-"""MemoryHighWaterMark writes real memory readings into the normal Keras logs."""
+"""MemoryHighWaterMark writes real memory readings into the normal Keras logs (either backend)."""
 
 import csv
+import math
 
 import keras
 import numpy as np
@@ -11,6 +12,16 @@ from tests import models
 
 RNG = np.random.default_rng(0)
 KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
+
+
+def _device_peak_readable():
+    """TensorFlow's BFC CPU allocator keeps statistics (tests/conftest.py turns it on); torch has them only on
+    CUDA, and the device peak reads NaN without them (documented in MemoryHighWaterMark)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    return True
 
 
 def _fit(model, batch_size=8, epochs=2, callbacks=()):
@@ -28,8 +39,11 @@ def test_keys_in_history_and_csvlogger(tmp_path, wrapped):
     history = _fit(model, callbacks=[keras_lms.MemoryHighWaterMark(), keras.callbacks.CSVLogger(str(log_path))])
     for key in KEYS:
         assert len(history[key]) == 2 and all(isinstance(v, float) for v in history[key])
-    assert all(v > 0 for v in history["peak_device_mib"])
-    assert all(v > 50 for v in history["peak_host_rss_mib"])  # a TensorFlow process is far above 50 MiB
+    if _device_peak_readable():
+        assert all(v > 0 for v in history["peak_device_mib"])
+    else:
+        assert all(math.isnan(v) for v in history["peak_device_mib"])
+    assert all(v > 50 for v in history["peak_host_rss_mib"])  # a Keras process is far above 50 MiB
     if wrapped:
         expected = model.offloaded_bytes_per_step / 2**20
         assert expected > 0 and history["offloaded_mib"] == [pytest.approx(expected)] * 2
@@ -40,6 +54,7 @@ def test_keys_in_history_and_csvlogger(tmp_path, wrapped):
     assert len(rows) == 2 and all(key in rows[0] for key in KEYS)
 
 
+@pytest.mark.tensorflow(reason="calibrated on TensorFlow's CPU allocator; torch has a device peak only on CUDA")
 def test_device_peak_grows_with_batch():
     """The allocator peak tracks the step's activations: batch 16 vs 2 adds about what the report predicts.
 
@@ -66,7 +81,8 @@ def test_per_batch_and_csv_path(tmp_path):
     history = _fit(keras_lms.wrap(models.unet2d(), min_bytes=0), batch_size=8, epochs=1,
                    callbacks=[keras_lms.MemoryHighWaterMark(per_batch=True, csv_path=path), Spy()])
     assert len(seen) == 2 and all(key in logs for logs in seen for key in KEYS)
-    assert history["peak_device_mib"][0] == pytest.approx(max(logs["peak_device_mib"] for logs in seen))
+    for key in KEYS:  # the epoch's value is the largest batch value (NaN device peaks where there are none)
+        assert history[key][0] == pytest.approx(max(logs[key] for logs in seen), nan_ok=True), key
     with open(path) as fh:
         rows = list(csv.DictReader(fh))
     assert [r["batch"] for r in rows] == ["0", "1"]

@@ -20,6 +20,8 @@ from benchmarks import models as bench_models
 from examples import callbacks, cli, data, metrics, runtime, state, train
 from examples.unet import build_unet
 
+pytestmark = pytest.mark.tensorflow(reason="the examples run on TensorFlow (tf.data loaders, TensorFlow subprocesses)")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 RUN_TIMEOUT = 300

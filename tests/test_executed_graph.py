@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow(reason="TensorFlow's partition graphs after grappler")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("unet2d", "resnet", "unet3d")
 WRAPPED = ("defaults", "forced_prefetch0", "forced_prefetch1", "forced_prefetch2")

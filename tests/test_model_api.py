@@ -1,13 +1,12 @@
-"""The Keras face: fit/evaluate/predict, save/load, unwrap, plans."""
+"""The Keras face: fit/evaluate/predict, save/load, unwrap, plans (either backend)."""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_lms
 from tests import models
-from tests.oracle import restore, snapshot
+from tests.oracle import restore, rng_state, set_rng_state, snapshot
 
 RNG = np.random.default_rng(0)
 
@@ -22,11 +21,12 @@ def test_fit_history_matches_plain():
     """2 epochs of model.fit, wrapped vs plain, from the same initial state and seeds."""
     model = models.cnn_bn_dropout()
     x, y = _data()
-    start = snapshot(model)
+    start, rng = snapshot(model), rng_state()
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
     plain = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     plain_weights = snapshot(model)
     restore(model, start)
+    set_rng_state(rng)  # torch: unseeded Dropout draws from torch's global RNG
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
     wrapped.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
     lms = wrapped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
@@ -44,6 +44,14 @@ def test_predict_and_evaluate_use_plain_path():
     wrapped.compile(loss="mse")
     model.compile(loss="mse")
     assert wrapped.evaluate(x, x, verbose=0) == pytest.approx(model.evaluate(x, x, verbose=0), rel=1e-6)
+
+
+@pytest.mark.tensorflow(reason="reads the traced tf.function graph (torch: tests/torch/test_training.py)")
+def test_inference_graph_has_no_swap_ops():
+    import tensorflow as tf
+
+    wrapped = keras_lms.wrap(models.unet2d(), min_bytes=0)
+    x = RNG.random((4, 32, 32, 1)).astype("float32")
 
     @tf.function
     def infer():
@@ -104,7 +112,10 @@ def test_shared_layer_has_one_plan_entry_per_call():
     assert any(e.layer_class not in dir(keras.layers) for e in wrapped.lms_plan)  # keras.ops nodes planned too
 
 
+@pytest.mark.tensorflow(reason="a tf.GradientTape loop in a tf.function")
 def test_custom_training_loop_with_optimizer():
+    import tensorflow as tf
+
     model = models.resnet_blocks()
     wrapped = keras_lms.wrap(model, min_bytes=0)
     opt = keras.optimizers.Adam(1e-3)

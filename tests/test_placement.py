@@ -9,6 +9,8 @@ import keras_lms
 from tests import models
 from tests.graph_inspect import ancestors, base_name, trace_step
 
+pytestmark = pytest.mark.tensorflow(reason="reads the traced tf.function graph")
+
 RNG = np.random.default_rng(0)
 UNET_X = RNG.random((2, 32, 32, 1)).astype("float32")
 

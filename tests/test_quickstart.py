@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow(reason="the quickstarts run in TensorFlow subprocesses")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 TIMEOUT = 240  # seconds; each run trains for a few seconds, start-up dominates

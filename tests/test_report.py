@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 import keras_lms
+from benchmarks.models import build_unet
 from keras_lms import memory, planner
 from tests import models
 from tests.oracle import assert_matches
@@ -67,8 +68,6 @@ def test_report_text_json_and_plot(tmp_path):
 
 
 def test_report_of_wrapped_uses_its_settings_and_input_shape_override():
-    from examples.unet import build_unet
-
     wrapped = keras_lms.wrap(build_unet((None, None, 1), depth=2, base_filters=4), min_bytes=0, keep_last=0)
     rep = keras_lms.report(wrapped, batch_size=2, input_shape=(32, 32, 1))
     assert all(r["offloaded"] for r in rep.rows)
@@ -84,8 +83,6 @@ def test_planner_offloads_nothing_when_the_step_fits():
 
 
 def test_planner_offloads_largest_longest_lived_first_to_fit():
-    from examples.unet import build_unet
-
     model = build_unet((64, 64, 64, 1), depth=3, base_filters=8)
     plain = keras_lms.report(model, batch_size=2, config=keras_lms.LMSConfig(min_bytes=0))
     full = plain.totals["predicted_peak_bytes_wrapped"]
@@ -102,8 +99,6 @@ def test_planner_offloads_largest_longest_lived_first_to_fit():
 
 
 def test_planner_refuses_an_impossible_budget_naming_the_largest_layer():
-    from examples.unet import build_unet
-
     model = build_unet((64, 64, 64, 1), depth=3, base_filters=8)
     with pytest.raises(planner.BudgetError, match="largest single layer call is 'up0_concat'|largest single layer"):
         keras_lms.wrap(model, min_bytes=0, device_budget="40MiB").plan(batch_size=2)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow(reason="grappler's virtual cluster simulates the TensorFlow graph")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -15,10 +15,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import keras_lms
-from examples.unet import build_unet
+from benchmarks.models import build_unet
 from keras_lms.offload import torch as lms_torch
 from tests import models
-from tests.torch.torch_oracle import assert_matches
+from tests.oracle import assert_matches
+
+pytestmark = pytest.mark.torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

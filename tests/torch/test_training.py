@@ -8,7 +8,9 @@ import torch
 import keras_lms
 from keras_lms.offload import torch as lms_torch
 from tests import models
-from tests.torch.torch_oracle import restore, rng_state, set_rng_state, snapshot
+from tests.oracle import restore, rng_state, set_rng_state, snapshot
+
+pytestmark = pytest.mark.torch
 
 
 def _data():
