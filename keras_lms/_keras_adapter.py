@@ -87,6 +87,54 @@ def run_stateless(layer, call_fn, trainable_values, non_trainable_values, args, 
     return outputs, new_values, list(scope.losses)
 
 
+class _ReadRecordingScope(StatelessScope):
+    """A StatelessScope that notes every variable whose value is read and otherwise defers to the scope it is
+    entered in (its values, updates and losses), so the code it wraps runs exactly as without it.
+
+    Keras 3.15's ``Variable.value`` asks the innermost stateless scope for ``get_current_value(variable)``; that
+    lookup is what is recorded (canary: tests/test_keras_adapter.py).
+    """
+
+    def __init__(self):
+        super().__init__(initialize_variables=False)
+        self.read = {}  # id -> variable, in first-read order
+
+    def __enter__(self):
+        super().__enter__()
+        self.collect_losses = bool(self.original_scope is not None and self.original_scope.collect_losses)
+        return self
+
+    def get_current_value(self, variable):
+        self.read.setdefault(id(variable), variable)
+        outer = self.original_scope
+        return outer.get_current_value(variable) if outer is not None else None
+
+    def add_update(self, update):
+        if self.original_scope is not None:
+            self.original_scope.add_update(update)
+        else:
+            super().add_update(update)
+
+    def add_loss(self, loss):
+        if self.original_scope is not None:
+            self.original_scope.add_loss(loss)
+        else:
+            super().add_loss(loss)
+
+
+@contextlib.contextmanager
+def recording_variable_reads():
+    """Within the block, note every Keras variable whose value is read; yields the list (filled on exit).
+
+    The planning trace uses it to find layers that read trainable variables they do not own (tied weights),
+    whose gradients the torch recompute cannot return. Values, updates and losses behave as without it.
+    """
+    read = []
+    with _ReadRecordingScope() as scope:
+        yield read
+    read.extend(scope.read.values())
+
+
 def raw_values(variables):
     """Current values of ``variables`` in their storage dtype (no mixed-precision autocast).
 

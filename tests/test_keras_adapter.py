@@ -456,3 +456,27 @@ def test_the_private_api_scan_finds_the_adapters_own_uses():
     uses = "\n".join(private_keras_uses((PACKAGE / "_keras_adapter.py").read_text()))
     for expected in ("from keras.src.layers.layer", "'_var_key'", "'_momentums'", "._nodes_by_depth"):
         assert expected in uses, expected
+
+
+def test_recording_variable_reads_sees_what_a_call_reads_and_changes_nothing():
+    """Canary for ``adapter.recording_variable_reads`` (Keras 3.15: ``Variable.value`` asks the innermost stateless
+    scope's ``get_current_value``). It must see a Dense layer's kernel and bias, not a variable left unread
+    (negative control), and leave values, updates and losses of an enclosing StatelessScope as they were."""
+    dense, other = keras.layers.Dense(3), keras.layers.Dense(2)
+    dense.build((None, 4))
+    other.build((None, 4))
+    x = keras.ops.ones((2, 4))
+    with adapter.recording_variable_reads() as read:
+        dense(x)
+    assert [v.path for v in read] == [dense.kernel.path, dense.bias.path], (
+        f"Keras {keras.__version__} changed what keras_lms._keras_adapter.recording_variable_reads() relies on "
+        f"(written for Keras {adapter.SUPPORTED_KERAS})")
+    assert all(v is not other.kernel for v in read)
+    zeros = keras.ops.zeros(dense.kernel.shape)
+    with keras.StatelessScope(state_mapping=[(dense.kernel, zeros)]) as outer:
+        with adapter.recording_variable_reads():
+            y = dense(x)
+            dense.bias.assign(keras.ops.ones(dense.bias.shape))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(y), keras.ops.convert_to_numpy(
+        keras.ops.broadcast_to(dense.bias, (2, 3))))  # the outer scope's zero kernel was used
+    assert outer.get_current_value(dense.bias) is not None  # the update reached the enclosing scope

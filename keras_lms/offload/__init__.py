@@ -99,7 +99,7 @@ class Backend(Protocol):
         """A placeholder spec for `trace_calls` from a shape (with the batch axis) and a dtype."""
         ...
 
-    def offloadable_reason(self, unit) -> str | None:
+    def offloadable_reason(self, unit, structure=None) -> str | None:
         """Why this back end cannot offload the unit's calls, or None when it can."""
         ...
 

@@ -69,11 +69,26 @@ def declared_inputs(model):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
-def offloadable_reason(unit) -> str | None:
-    """Why the back end cannot offload this unit's calls, or None if it can."""
+def offloadable_reason(unit, structure=None) -> str | None:
+    """Why the back end cannot offload this unit's calls, or None if it can.
+
+    ``structure`` (a ``graph.ModelStructure``) carries what the planning trace found out about the unit: a
+    unit that reads trainable variables of other layers (tied weights) on a back end whose recompute returns
+    gradients only for the unit's own variables (``CallRecorder(keeps_foreign_readers=True)``, torch).
+    """
     if adapter.is_quantized(unit):
         return "quantized layers are not intercepted (they run quantized_call)"
+    foreign = getattr(structure, "foreign_reads", {}).get(id(unit)) if structure is not None else None
+    if foreign:
+        return (f"reads trainable variables of other layers ({', '.join(foreign)}); the recompute returns "
+                "gradients only for the layer's own variables, so the call runs plainly")
     return None
+
+
+def foreign_trainable_reads(unit, variables) -> list:
+    """The trainable variables among ``variables`` that ``unit`` does not own (e.g. a tied projection's kernel)."""
+    own = {id(v) for v in getattr(unit, "trainable_variables", [])}
+    return [v for v in variables if getattr(v, "trainable", False) and id(v) not in own]
 
 
 class DeviceStatsUnavailable(RuntimeError):
@@ -108,8 +123,9 @@ class CallRecorder:
     The traced tensors are held until the trace ends, so their ``id`` (a call's ``keys``) is unique within it.
     """
 
-    def __init__(self, structure, facts: TensorFacts):
+    def __init__(self, structure, facts: TensorFacts, keeps_foreign_readers: bool = False):
         self.structure, self.facts = structure, facts
+        self.keeps_foreign_readers = keeps_foreign_readers
         self.calls, self._held = [], []
 
     def clear(self) -> None:
@@ -122,7 +138,14 @@ class CallRecorder:
 
         def recording_call(*args, **kw):
             tensors = facts.tensors((args, kw))
-            outputs = original(*args, **kw)
+            if self.keeps_foreign_readers:
+                with adapter.recording_variable_reads() as read:
+                    outputs = original(*args, **kw)
+                foreign = foreign_trainable_reads(unit, read)
+                if foreign:
+                    self.structure.foreign_reads[id(unit)] = [v.path for v in foreign]
+            else:
+                outputs = original(*args, **kw)
             outs = facts.tensors(outputs)
             self._held.extend(tensors + outs)
             self.calls.append(policy.RawCall(
@@ -134,7 +157,7 @@ class CallRecorder:
                 keys=[id(t) for t in tensors],
                 output_shapes=[facts.shape(t) for t in outs],
                 output_dtypes=[facts.dtype(t) for t in outs],
-                offloadable=offloadable_reason(unit),
+                offloadable=offloadable_reason(unit, self.structure),
                 output_keys=[id(t) for t in outs],
             ))
             return outputs
@@ -186,7 +209,7 @@ class InterceptingContext:
         """The plan's decision for call ``index`` of ``unit`` on ``tensors`` (see ``planned_decision``)."""
         sizes = [self.tensor_bytes(t) for t in tensors]
         ranks = [self.tensor_rank(t) for t in tensors]
-        return planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit))
+        return planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit, self.structure))
 
     def forward_scope(self):
         """A context manager around the wrapped model's forward pass; none by default."""
