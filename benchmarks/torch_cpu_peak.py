@@ -127,8 +127,8 @@ def tracking(gc_enabled: bool = True):
     tracker = LiveStorageTracker()
     acquire = lms_torch.HostBufferPool.acquire
 
-    def marking_acquire(pool, shape, dtype):
-        buffer = acquire(pool, shape, dtype)
+    def marking_acquire(pool, shape, dtype, stride=None):
+        buffer = acquire(pool, shape, dtype, stride)
         tracker.mark_host(buffer)
         return buffer
 

@@ -411,3 +411,22 @@ def test_releasing_graph_runs_give_identical_results(name):
     assert not any("_run_through_graph" in g.__dict__ for g in adapter._functional_graphs(structure.models))
     for a, b in zip(keras.tree.flatten(expected), keras.tree.flatten(got)):
         assert torch.equal(a, b)
+
+
+def test_host_copy_keeps_the_original_memory_layout():
+    """A channels-last permutation (what Keras' torch convolutions and pooling hand out) comes back with its own
+    strides, so the backward pass sees the plain model's layout (a contiguous copy changed the summation order
+    of a max pooling downstream: 1e-5 relative on DenseNet121, float32 and float64 alike). Negative control: a
+    dense tensor keeps contiguous strides, and an overlapping view gets a contiguous buffer."""
+    transfer = lms_torch.Transfer(torch.device("cpu"), pool=lms_torch.HostBufferPool(pin=False), copies=True)
+    nchw = torch.rand(2, 3, 4, 5)
+    nhwc_view = nchw.permute(0, 2, 3, 1)
+    host = transfer.to_host(nhwc_view)
+    back = transfer.to_device(host).get()
+    assert back.stride() == nhwc_view.stride() != nhwc_view.contiguous().stride()
+    assert torch.equal(back, nhwc_view)
+    dense = torch.rand(2, 3)
+    assert transfer.to_device(transfer.to_host(dense)).get().stride() == dense.stride()
+    overlapping = torch.rand(3, 1).expand(3, 4)
+    copy = transfer.to_device(transfer.to_host(overlapping)).get()
+    assert copy.is_contiguous() and torch.equal(copy, overlapping)

@@ -1,4 +1,4 @@
-"""The host buffer pool: pinned host buffers keyed by shape and dtype, reused across steps."""
+"""The host buffer pool: pinned host buffers keyed by shape, strides and dtype, reused across steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import torch
 
 
 class HostBufferPool:
-    """Host buffers keyed by ``(shape, dtype)``, reused across steps (pinned allocation costs milliseconds).
+    """Host buffers keyed by ``(shape, strides, dtype)``, reused across steps (pinned allocation costs milliseconds).
+
+    A buffer has the strides of the tensor it copies (Keras' torch ops hand out channels-last permutations of
+    channels-first results): the copy brought back then has the original's memory layout, so every kernel of
+    the backward pass sees the layout the plain model's does. With a contiguous buffer the gradient of a relu
+    read from its host copy came out in another layout, and a max pooling downstream summed its overlapping
+    windows in another order (DenseNet121: 1e-5 relative gradient error, float32 and float64 alike).
 
     ``acquire`` hands out an idle buffer of that key or allocates one (pinned when ``pin``); ``release`` returns
     it. ``new_step`` drops idle buffers whose key was not used during the previous step (input sizes changed),
@@ -28,11 +34,13 @@ class HostBufferPool:
         self.lent = 0
 
     @staticmethod
-    def key(shape, dtype) -> tuple:
-        return tuple(int(d) for d in shape), dtype
+    def key(shape, dtype, stride=None) -> tuple:
+        shape = tuple(int(d) for d in shape)
+        return shape, dtype, tuple(int(s) for s in stride) if stride is not None else _contiguous_stride(shape)
 
-    def acquire(self, shape, dtype) -> torch.Tensor:
-        key = self.key(shape, dtype)
+    def acquire(self, shape, dtype, stride=None) -> torch.Tensor:
+        """An idle buffer of that shape, dtype and stride (default: contiguous), or a new one."""
+        key = self.key(shape, dtype, stride)
         with self._lock:
             self._last_used[key] = self.step
             self.lent += 1
@@ -41,10 +49,10 @@ class HostBufferPool:
                 self.reuses += 1
                 return idle.pop()
             self.allocations += 1
-        return torch.empty(key[0], dtype=dtype, device="cpu", pin_memory=self.pin)
+        return torch.empty_strided(key[0], key[2], dtype=dtype, device="cpu", pin_memory=self.pin)
 
     def release(self, buffer: torch.Tensor) -> None:
-        key = self.key(buffer.shape, buffer.dtype)
+        key = self.key(buffer.shape, buffer.dtype, buffer.stride())
         with self._lock:
             self.lent -= 1
             self._idle.setdefault(key, []).append(buffer)
@@ -81,3 +89,18 @@ def clear_host_pool() -> None:
     """Free the idle host buffers (e.g. between runs at different input sizes)."""
     if _POOL is not None:
         _POOL.clear()
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def layout_of(tensor: torch.Tensor):
+    """The strides a host copy of ``tensor`` takes: its own when it is dense and non-overlapping (what
+    ``torch.empty_like`` preserves), else contiguous (None)."""
+    stride = torch.empty_like(tensor, device="meta").stride()
+    return stride if stride == tensor.stride() else None

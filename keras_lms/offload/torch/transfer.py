@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from keras_lms.offload.torch.pool import HostBufferPool, host_pool
+from keras_lms.offload.torch.pool import HostBufferPool, host_pool, layout_of
 from keras_lms.offload.torch.stats import count
 
 
@@ -131,7 +131,7 @@ class Transfer:
         nbytes = tensor.numel() * tensor.element_size()
         if not self.copies:
             return _HostCopy(tensor, None, nbytes)
-        buffer = self.pool.acquire(tensor.shape, tensor.dtype)
+        buffer = self.pool.acquire(tensor.shape, tensor.dtype, layout_of(tensor))
         source = tensor.detach()  # the copy is not part of the autograd graph
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has run
@@ -161,7 +161,9 @@ class Transfer:
         compute = torch.cuda.current_stream(self.device)
         # Allocated on the compute stream (where it is used and freed); the copy stream waits for the work
         # queued so far, which may still be using the block the allocator just handed out.
-        tensor = torch.empty(host.buffer.shape, dtype=host.buffer.dtype, device=self.device)
+        # with the buffer's strides, which are the original's (HostBufferPool)
+        tensor = torch.empty_strided(host.buffer.shape, host.buffer.stride(), dtype=host.buffer.dtype,
+                                     device=self.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             tensor.copy_(host.buffer, non_blocking=True)
