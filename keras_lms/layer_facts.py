@@ -26,7 +26,13 @@ STRUCTURAL_LAYERS = frozenset({
 # TensorFlow's AvgPool gradient reads only the input's shape; torch's autograd saves the input itself
 # (avg_pool*_backward takes it), so on torch average pooling keeps its input like any layer.
 AVERAGE_POOLING_LAYERS = frozenset({"AveragePooling1D", "AveragePooling2D", "AveragePooling3D"})
-OUTPUT_GRAD_ACTIVATIONS = ("relu", "sigmoid", "tanh", "elu")
+# Activations whose gradient the framework computes from the activation's *output* (its registered gradient
+# reads the output, not the input): TensorFlow's Relu/Sigmoid/Tanh/Elu gradients; torch's relu/sigmoid/tanh
+# (torch's elu_backward is given the input). Both back ends' output-based kernels and the planner read this.
+OUTPUT_GRADIENT_ACTIVATIONS = {
+    "tensorflow": frozenset({"relu", "sigmoid", "tanh", "elu"}),
+    "torch": frozenset({"relu", "sigmoid", "tanh"}),
+}
 MAX_POOLING_LAYERS = frozenset({"MaxPooling1D", "MaxPooling2D", "MaxPooling3D"})
 NORMALIZATION_LAYERS = frozenset({"BatchNormalization", "LayerNormalization", "GroupNormalization"})
 KERNEL_LAYERS = frozenset({
@@ -65,18 +71,21 @@ def is_plain_relu(unit) -> bool:
             and not unit.threshold)
 
 
-def output_gradient_activation(unit) -> str | None:
-    """For a standalone activation layer whose gradient is a function of its output, the activation's name.
+def output_gradient_activation(unit, backend: str | None = None) -> str | None:
+    """For a standalone activation layer whose gradient ``backend`` computes from its output, the activation's
+    name (``backend`` defaults to Keras' current back end).
 
-    ``ReLU()`` without options and ``Activation("relu"|"sigmoid"|"tanh"|"elu")``; None for anything else.
+    ``ReLU()`` without options and ``Activation(name)`` for a name in ``OUTPUT_GRADIENT_ACTIVATIONS[backend]``;
+    None for anything else.
     """
+    allowed = OUTPUT_GRADIENT_ACTIVATIONS[backend or keras.backend.backend()]
     if type(unit) is keras.layers.Activation:
         name = _activation_name(unit.activation)
-        return name if name in OUTPUT_GRAD_ACTIVATIONS else None
+        return name if name in allowed else None
     return "relu" if is_plain_relu(unit) else None
 
 
-def fused_output_activation(unit) -> str | None:
+def fused_output_activation(unit, backend: str | None = None) -> str | None:
     """For a Dense/Conv-family layer running Keras' own ``call`` with a relu-like fused activation, its name.
 
     Only Keras' own ``call`` ends with ``self.activation(...)``; a subclass that overrides ``call`` gets None
@@ -85,7 +94,7 @@ def fused_output_activation(unit) -> str | None:
     if not runs_keras_kernel_call(unit):
         return None
     name = _activation_name(getattr(unit, "activation", None))
-    return name if name in OUTPUT_GRAD_ACTIVATIONS else None
+    return name if name in OUTPUT_GRADIENT_ACTIVATIONS[backend or keras.backend.backend()] else None
 
 
 def _kernel_classes():
@@ -120,9 +129,9 @@ def backward_reads(unit, backend: str | None = None) -> tuple:
     """
     if keeps_no_activation(unit, backend):
         return False, False
-    if output_gradient_activation(unit) is not None:
+    if output_gradient_activation(unit, backend) is not None:
         return False, True
-    if is_keras_class(unit, MAX_POOLING_LAYERS) or fused_output_activation(unit) is not None:
+    if is_keras_class(unit, MAX_POOLING_LAYERS) or fused_output_activation(unit, backend) is not None:
         return True, True
     return True, False
 

@@ -99,15 +99,15 @@ def _is_max_pooling(unit) -> bool:
     return layer_facts.is_keras_class(unit, layer_facts.MAX_POOLING_LAYERS)
 
 
-def _reads_output_host_copy(unit) -> bool:
+def _reads_output_host_copy(unit, backend: str) -> bool:
     """Whether the wrapped backward reads the call's output from its consumer's host copy (when one exists)
-    instead of keeping it on the device: relu-like layers, and on TensorFlow fused relu-like activations
-    (keras_lms/offload/tf_output_gradients.py). Max pooling is recomputed from its input instead."""
-    if layer_facts.output_gradient_activation(unit) is not None:
+    instead of keeping it on the device: activation layers whose gradient ``backend`` computes from the output
+    (``layer_facts.OUTPUT_GRADIENT_ACTIVATIONS``, the table both back ends' kernels read), and on TensorFlow
+    fused relu-like activations too (keras_lms/offload/tf_output_gradients.py; torch recomputes those). Max
+    pooling is recomputed from its input instead."""
+    if layer_facts.output_gradient_activation(unit, backend) is not None:
         return True
-    import keras
-
-    return layer_facts.fused_output_activation(unit) is not None and keras.backend.backend() == "tensorflow"
+    return backend == "tensorflow" and layer_facts.fused_output_activation(unit, backend) is not None
 
 
 def _tensors(calls, batch_size):
@@ -148,7 +148,7 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     for i, call in enumerate(calls):
         for key, off in zip(call.keys, offloaded[i]):
             if off:
-                reads = backward_reads(call.unit)[0]
+                reads = backward_reads(call.unit, backend)[0]
                 host_copy.setdefault(key, None)
                 if reads and host_copy[key] is None:
                     host_copy[key] = i
@@ -170,13 +170,13 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
 
     for i, call in enumerate(calls):
         backward = positions - 1 - i
-        reads_inputs, reads_output = backward_reads(call.unit)
+        reads_inputs, reads_output = backward_reads(call.unit, backend)
         saved = layer_facts.saved_extra_bytes(call.unit, sum(sizes_in[i]), sum(sizes_out[i]), backend)
         if saved and not any(offloaded[i]):
             hold(saved, i, backward)  # what autograd saves besides the inputs and outputs
         if reads_output:
             for key, size in zip(keys_out[i], sizes_out[i]):
-                if key in host_copy and _reads_output_host_copy(call.unit):
+                if key in host_copy and _reads_output_host_copy(call.unit, backend):
                     # read from the consumer's host copy: the swap-in of its first reader (in forward order, so
                     # the last backward before this one) is held on until this call's backward; without a
                     # reader, this call brings it back itself (prefetch calls early)

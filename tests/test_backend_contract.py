@@ -134,3 +134,22 @@ def test_the_rest_of_the_package_uses_only_the_contract():
         assert "offload.active_backend()" in text, name
         assert "keras.backend.backend()" not in text, f"{name} switches on the back end itself"
         assert "from keras_lms.offload import tensorflow" not in text and "offload import torch" not in text, name
+
+
+@pytest.mark.parametrize("activation", ["relu", "sigmoid", "tanh", "elu", "gelu", "hard_swish"])
+def test_output_gradient_kernels_and_layer_facts_agree(activation):
+    """The active back end takes an activation layer's gradient from its output exactly when the shared table
+    (layer_facts.OUTPUT_GRADIENT_ACTIVATIONS, which the planner reads too) says its framework does: torch's
+    elu gradient reads the input, so elu is recomputed there and the planner must not count it as output-read."""
+    import keras
+
+    from keras_lms import layer_facts, offload
+
+    unit = keras.layers.Activation(activation)
+    backend = offload.active_backend()
+    uses_output = backend.input_gradient_from_output(unit) is not None
+    assert uses_output == (layer_facts.output_gradient_activation(unit) is not None)
+    reads = layer_facts.backward_reads(unit)
+    assert reads == ((False, True) if uses_output else (True, False))
+    assert layer_facts.backward_reads(keras.layers.Activation("elu"), "torch") == (True, False)
+    assert layer_facts.backward_reads(keras.layers.Activation("elu"), "tensorflow") == (False, True)

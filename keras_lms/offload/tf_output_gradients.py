@@ -39,7 +39,7 @@ def input_gradient_from_output(unit):
     gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
     overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
     """
-    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
+    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit, "tensorflow"))
 
 
 def fused_activation_grad(unit):
@@ -48,7 +48,7 @@ def fused_activation_grad(unit):
     Only for Dense/Conv-family layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a
     subclass that overrides ``call`` is always fully recomputed.
     """
-    return _output_gradient_fns().get(layer_facts.fused_output_activation(unit))
+    return _output_gradient_fns().get(layer_facts.fused_output_activation(unit, "tensorflow"))
 
 
 def reads_own_output(unit) -> bool:

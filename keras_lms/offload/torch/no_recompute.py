@@ -22,7 +22,7 @@ def _output_gradient_fns():
 
 def input_gradient_from_output(unit):
     """For a relu/sigmoid/tanh activation layer, ``fn(y, dy)`` giving its input gradient; else None."""
-    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit))
+    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit, "torch"))
 
 
 def runs_plainly(unit, kwargs) -> bool:
