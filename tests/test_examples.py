@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks import models as bench_models
-from examples import callbacks, cli, data, metrics, runtime, state, train
+from examples import callbacks, cli, data, files, metrics, runtime, state, synthetic, train
 from examples.unet import build_unet
 
 pytestmark = pytest.mark.tensorflow(reason="the examples run on TensorFlow (tf.data loaders, TensorFlow subprocesses)")
@@ -93,7 +93,7 @@ def test_parse_args_rejects_indivisible_size(capsys):
 # ------------------------------------------------------------------------------------------------- data
 @pytest.mark.parametrize("shape,channels", [((16, 16, 16), 1), ((32, 32), 3)])
 def test_synthetic_shapes_dtypes_labels(shape, channels):
-    ds = data.SyntheticLesions(shape, channels, batch_size=3, steps=2, seed=1)
+    ds = synthetic.SyntheticLesions(shape, channels, batch_size=3, steps=2, seed=1)
     assert len(ds) == 2
     x, y = ds[0]
     assert x.shape == (3,) + shape + (channels,) and x.dtype == np.float32
@@ -114,9 +114,9 @@ def _dice(pred, truth):
 
 
 def test_synthetic_determinism_and_epochs():
-    a = data.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5)
-    b = data.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5)
-    c = data.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=6)
+    a = synthetic.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5)
+    b = synthetic.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5)
+    c = synthetic.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=6)
     for i in range(2):
         np.testing.assert_array_equal(a[i][0], b[i][0])
         np.testing.assert_array_equal(a[i][1], b[i][1])
@@ -126,7 +126,7 @@ def test_synthetic_determinism_and_epochs():
     assert not np.array_equal(first, a[0][0])
     b.set_epoch(1)  # ... reproducibly (set_epoch is what --resume uses)
     np.testing.assert_array_equal(a[0][0], b[0][0])
-    val = data.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5, split="val")
+    val = synthetic.SyntheticLesions((16, 16, 16), 1, 2, 2, seed=5, split="val")
     before = val[0][0]
     val.on_epoch_end()  # validation is a fixed set, and differs from training
     np.testing.assert_array_equal(before, val[0][0])
@@ -135,7 +135,7 @@ def test_synthetic_determinism_and_epochs():
 
 def test_synthetic_rank_sharding_is_disjoint():
     size, steps, batch = 3, 4, 2
-    shards = [data.SyntheticLesions((16, 16), 1, batch, steps, seed=0, rank=r, size=size) for r in range(size)]
+    shards = [synthetic.SyntheticLesions((16, 16), 1, batch, steps, seed=0, rank=r, size=size) for r in range(size)]
     ids = [{g for i in range(steps) for g in ds.sample_ids(i)} for ds in shards]
     assert all(len(s) == steps * batch for s in ids)
     assert set.union(*ids) == set(range(size * steps * batch))
@@ -143,11 +143,11 @@ def test_synthetic_rank_sharding_is_disjoint():
     first = [ds[0][0] for ds in shards]
     assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
     with pytest.raises(ValueError, match="rank"):
-        data.SyntheticLesions((16, 16), 1, 2, 2, rank=2, size=2)
+        synthetic.SyntheticLesions((16, 16), 1, 2, 2, rank=2, size=2)
 
 
 def test_pydataset_options_passed_through():
-    ds = data.SyntheticLesions((16, 16), 1, 2, 2, workers=3, use_multiprocessing=False, max_queue_size=5)
+    ds = synthetic.SyntheticLesions((16, 16), 1, 2, 2, workers=3, use_multiprocessing=False, max_queue_size=5)
     assert (ds.workers, ds.use_multiprocessing, ds.max_queue_size) == (3, False, 5)
     import keras
 
@@ -155,7 +155,7 @@ def test_pydataset_options_passed_through():
 
 
 def test_tf_dataset_has_static_shapes_and_follows_epochs():
-    ds = data.SyntheticLesions((16, 16), 3, batch_size=2, steps=3, seed=4)
+    ds = synthetic.SyntheticLesions((16, 16), 3, batch_size=2, steps=3, seed=4)
     tf_ds = data.to_tf_dataset(ds, parallel_calls=2, prefetch=2)
     assert tuple(tf_ds.element_spec[0].shape) == (2, 16, 16, 3)  # static batch: keras-lms plans for it
     assert tuple(tf_ds.element_spec[1].shape) == (2, 16, 16, 1)
@@ -172,11 +172,11 @@ def test_tf_dataset_has_static_shapes_and_follows_epochs():
 
 def test_crop_or_pad():
     a = np.arange(5 * 7, dtype=np.float32).reshape(5, 7, 1)
-    out = data.crop_or_pad(a, (4, 4))
+    out = files.crop_or_pad(a, (4, 4))
     assert out.shape == (4, 4, 1)
     np.testing.assert_array_equal(out[..., 0], a[0:4, 1:5, 0])  # centred crop
-    np.testing.assert_array_equal(data.crop_or_pad(a, (4, 4), start=(1, 3))[..., 0], a[1:5, 3:7, 0])
-    padded = data.crop_or_pad(a, (9, 7))
+    np.testing.assert_array_equal(files.crop_or_pad(a, (4, 4), start=(1, 3))[..., 0], a[1:5, 3:7, 0])
+    padded = files.crop_or_pad(a, (9, 7))
     assert padded.shape == (9, 7, 1) and padded[:2].sum() == 0 and padded[-2:].sum() == 0
     np.testing.assert_array_equal(padded[2:7], a)
 
@@ -197,9 +197,9 @@ def test_nifti_volumes(tmp_path):
         nib.save(nib.Nifti1Image(image, np.eye(4)), tmp_path / f"{name}_image.nii.gz")
         nib.save(nib.Nifti1Image(label, np.eye(4)), tmp_path / f"{name}_label.nii.gz")
     (tmp_path / "orphan_image.nii.gz").write_bytes(b"")  # no label: ignored
-    pairs = data.find_pairs(tmp_path, data.NiftiVolumes.suffixes)
+    pairs = files.find_pairs(tmp_path, files.NiftiVolumes.suffixes)
     assert [p[0].name for p in pairs] == ["a_image.nii.gz", "b_image.nii.gz", "c_image.nii.gz"]
-    image, label = data.load_nifti(*pairs[0])
+    image, label = files.load_nifti(*pairs[0])
     assert image.shape == (20, 24, 14, 1) and label.shape == (20, 24, 14, 1) and image.dtype == np.float32
     assert set(np.unique(label)) == {0.0, 1.0} and int(label.sum()) == 5 * 5 * 4
     train_ds, val_ds, channels = data.make_datasets("3d", (16, 16, 16), data_dir=tmp_path, batch_size=2, seed=0)
@@ -211,7 +211,7 @@ def test_nifti_volumes(tmp_path):
     x, y = train_ds[0]
     assert x.shape == (2, 16, 16, 16, 1) and set(np.unique(y)) <= {0.0, 1.0}
     # Rank sharding is file-wise.
-    shards = [data.NiftiVolumes(pairs, (16, 16, 16), 1, 1, rank=r, size=2) for r in range(2)]
+    shards = [files.NiftiVolumes(pairs, (16, 16, 16), 1, 1, rank=r, size=2) for r in range(2)]
     assert {p[0].name for p in shards[0].pairs}.isdisjoint({p[0].name for p in shards[1].pairs})
 
 
@@ -237,10 +237,10 @@ def test_png_and_tiff_tiles(tmp_path):
     grey16 = rng.integers(0, 4000, size=(40, 30), dtype=np.uint16)
     tifffile.imwrite(tmp_path / "t2_image.tif", grey16)
     tifffile.imwrite(tmp_path / "t2_label.tif", (label > 0).astype(np.uint8))
-    pairs = data.find_pairs(tmp_path, data.IMAGE_SUFFIXES)
+    pairs = files.find_pairs(tmp_path, files.IMAGE_SUFFIXES)
     assert [p[0].name for p in pairs] == ["t1_image.png", "t2_image.tif"]
     for pair in pairs:
-        image, lab = data.load_tile(*pair)
+        image, lab = files.load_tile(*pair)
         assert image.shape == (40, 30, 3) and image.dtype == np.float32  # grey TIFF replicated to RGB
         assert lab.shape == (40, 30, 1) and int(lab.sum()) == 100 and set(np.unique(lab)) == {0.0, 1.0}
     train_ds, val_ds, channels = data.make_datasets("2d", (32, 32), data_dir=tmp_path, batch_size=1,
@@ -250,9 +250,9 @@ def test_png_and_tiff_tiles(tmp_path):
     assert x.shape == (1, 32, 32, 3) and y.shape == (1, 32, 32, 1) and int(y.sum()) == 100
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="NAME_image"):
-        data.find_pairs(tmp_path / "empty", data.IMAGE_SUFFIXES)
+        files.find_pairs(tmp_path / "empty", files.IMAGE_SUFFIXES)
     with pytest.raises(FileNotFoundError, match="not a directory"):
-        data.find_pairs(tmp_path / "missing", data.IMAGE_SUFFIXES)
+        files.find_pairs(tmp_path / "missing", files.IMAGE_SUFFIXES)
 
 
 # ---------------------------------------------------------------------------------------------- metrics

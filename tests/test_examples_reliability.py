@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from examples import callbacks, cli, data, state
+from examples import callbacks, cli, files, state
 
 TASK3D = cli.Task(name="segmentation_3d", kind="3d", size_flag="--volume", default_size=96, default_depth=3,
                   what="3D")
@@ -95,8 +95,8 @@ def test_corrupt_png_is_named(tmp_path):
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(good)
     bad = tmp_path / "a_label.png"
     bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
-    with pytest.raises(data.DataFileError, match="cannot read .*a_label.png.*damaged or truncated"):
-        data.load_tile(good, bad)
+    with pytest.raises(files.DataFileError, match="cannot read .*a_label.png.*damaged or truncated"):
+        files.load_tile(good, bad)
 
 
 def test_corrupt_nifti_is_named(tmp_path):
@@ -106,5 +106,5 @@ def test_corrupt_nifti_is_named(tmp_path):
     nib.save(nib.Nifti1Image(volume, np.eye(4)), str(img))
     bad = tmp_path / "v_label.nii.gz"
     bad.write_bytes(img.read_bytes()[: len(img.read_bytes()) // 2])
-    with pytest.raises(data.DataFileError, match="v_label.nii.gz"):
-        data.load_nifti(img, bad)
+    with pytest.raises(files.DataFileError, match="v_label.nii.gz"):
+        files.load_nifti(img, bad)
