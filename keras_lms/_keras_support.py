@@ -10,7 +10,7 @@ import contextlib
 
 import keras
 
-# The Keras range keras_lms/_keras_adapter.py was written for (pyproject.toml pins the same range).
+# The Keras range keras_lms/_keras_adapter/ was written for (pyproject.toml pins the same range).
 SUPPORTED_KERAS = (">=3.15", "<3.16")
 
 

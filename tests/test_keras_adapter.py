@@ -1,4 +1,4 @@
-"""Fails loudly when a Keras release changes what keras_lms/_keras_adapter.py relies on."""
+"""Fails loudly when a Keras release changes what keras_lms/_keras_adapter/ relies on."""
 
 import pathlib
 import re
@@ -397,7 +397,8 @@ KERAS_PRIVATE_NAMES = frozenset({
     "_track_variable", "_get_variable_index", "_trainable_variables_indices", "_get_current_learning_rate",
     "_dict_to_ordered_dict", "_jit_compile",
 })
-PACKAGE = pathlib.Path(adapter.__file__).parent
+ADAPTER = pathlib.Path(adapter.__file__).parent  # keras_lms/_keras_adapter/, the one exempt package
+PACKAGE = ADAPTER.parent
 
 
 def private_keras_uses(source: str) -> list[str]:
@@ -429,15 +430,34 @@ def private_keras_uses(source: str) -> list[str]:
     return found
 
 
+def outside_the_adapter(package: pathlib.Path = PACKAGE, adapter_dir: pathlib.Path = ADAPTER) -> list[pathlib.Path]:
+    """The package's Python files the private-API scan covers: all of them but those of the adapter package."""
+    return [path for path in sorted(package.rglob("*.py")) if adapter_dir not in path.parents]
+
+
 def test_no_private_keras_api_outside_the_adapter():
-    """The adapter is the one module allowed private Keras API (issue 14, item 5); everything else goes through it."""
+    """Only the adapter package may use private Keras API (issue 14, item 5); everything else goes through it."""
     offenders = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name != "_keras_adapter.py":
-            uses = private_keras_uses(path.read_text())
-            if uses:
-                offenders[str(path.relative_to(PACKAGE.parent))] = uses
-    assert not offenders, f"private Keras API outside keras_lms/_keras_adapter.py (use the adapter): {offenders}"
+    for path in outside_the_adapter():
+        uses = private_keras_uses(path.read_text())
+        if uses:
+            offenders[str(path.relative_to(PACKAGE.parent))] = uses
+    assert not offenders, f"private Keras API outside keras_lms/_keras_adapter/ (use the adapter): {offenders}"
+
+
+def test_the_scan_exempts_exactly_the_adapter_package(tmp_path):
+    """Negative control: only files inside the adapter directory are exempt, not a look-alike name elsewhere."""
+    scanned = {path.relative_to(PACKAGE).as_posix() for path in outside_the_adapter()}
+    assert {"model.py", "offload/torch/step.py", "horovod/averaging.py", "_keras_support.py"} <= scanned
+    assert not any(name.startswith("_keras_adapter/") for name in scanned)
+    assert len(list(ADAPTER.glob("*.py"))) > 1
+    planted = ("_keras_adapter.py", "offload/_keras_adapter/x.py", "_keras_adapter_extra/y.py", "_keras_adapter/z.py")
+    for name in planted:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("import keras.src.tree\n")
+    scanned = outside_the_adapter(tmp_path, tmp_path / "_keras_adapter")
+    found = {path.relative_to(tmp_path).as_posix() for path in scanned if private_keras_uses(path.read_text())}
+    assert found == set(planted[:3]), found
 
 
 @pytest.mark.parametrize("snippet", [
@@ -453,7 +473,7 @@ def test_the_private_api_scan_finds_each_kind_of_use(snippet):
 
 
 def test_the_private_api_scan_finds_the_adapters_own_uses():
-    uses = "\n".join(private_keras_uses((PACKAGE / "_keras_adapter.py").read_text()))
+    uses = "\n".join(use for path in sorted(ADAPTER.glob("*.py")) for use in private_keras_uses(path.read_text()))
     for expected in ("from keras.src.layers.layer", "'_var_key'", "'_momentums'", "._nodes_by_depth"):
         assert expected in uses, expected
 

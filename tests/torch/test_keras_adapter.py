@@ -1,4 +1,4 @@
-"""torch back end: what keras_lms/_keras_adapter.py relies on where the torch back end differs."""
+"""torch back end: what keras_lms/_keras_adapter/ relies on where the torch back end differs."""
 
 import keras
 import numpy as np

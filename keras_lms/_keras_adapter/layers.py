@@ -1,0 +1,87 @@
+"""Masks and layer internals: Keras masks on tensors, losses left on layers, BatchNorm and fused activations.
+
+Keras internals relied on (Keras 3.15), and why:
+
+* ``keras.src.backend.common.masking.get_keras_mask`` / ``set_keras_mask``: an offloaded call's outputs are
+  recomputed or re-created outside ``Layer.__call__``, which is what attaches masks; the masks are read in the
+  forward pass and attached again;
+* ``Layer._clear_losses``: a throw-away planning trace leaves the losses its ``add_loss`` calls made on the
+  layers; they must go before the real step;
+* ``BatchNormalization._moments`` (called by ``BatchNormalization.call`` for the batch statistics): the
+  TensorFlow back end hooks it to give the recompute the forward's statistics with their exact gradient;
+  ``_reduction_axes`` is *not* read, :func:`batchnorm_reduction_axes` derives the same list from public
+  attributes;
+* Dense, EinsumDense and the convolution layers store ``activation`` in the instance dict in ``__init__`` and
+  read ``self.activation`` at call time: the TensorFlow back end recomputes the pre-activation by shadowing it
+  with ``linear`` and restores exactly what :func:`fused_activation` returned.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_lms._keras_support import SUPPORTED_KERAS
+
+
+def get_mask(x):
+    """The Keras mask attached to a tensor, or None."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    try:
+        return get_keras_mask(x)
+    except AttributeError:  # pragma: no cover - tensors that cannot carry attributes
+        return None
+
+
+def set_mask(x, mask) -> None:
+    """Attach a Keras mask to a tensor (what ``Layer.__call__`` does for layers that support masking)."""
+    from keras.src.backend.common.masking import set_keras_mask
+
+    if mask is not None:
+        set_keras_mask(x, mask)
+
+
+def clear_losses(layer) -> None:
+    """Drop losses that ``add_loss`` left on ``layer`` and its sublayers (e.g. from a planning trace)."""
+    layer._clear_losses()
+
+
+def batchnorm_moments_hook(layer):
+    """Name of the BatchNormalization method that computes batch statistics, when it can be hooked.
+
+    Keras' BatchNormalization.call gets (mean, variance) from ``self._moments(inputs, mask)``; renorm and
+    synchronized BatchNorm do more than that, so they are not hooked.
+    """
+    if (type(layer).call is keras.layers.BatchNormalization.call and not getattr(layer, "renorm", False)
+            and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
+        return "_moments"
+    return None
+
+
+def batchnorm_reduction_axes(layer, inputs) -> list[int]:
+    """The axes BatchNormalization's ``_moments`` reduces ``inputs`` over: every axis but ``layer.axis``.
+
+    Why: the TensorFlow back end gives the recompute the forward's batch statistics with their exact gradient,
+    which needs these axes. Keras 3.15 stores them in ``build`` as the private ``_reduction_axes``
+    (``range(ndim)`` without ``axis``); this derives the same list from the public ``axis`` and the input's rank.
+    """
+    ndim = len(inputs.shape)
+    return [i for i in range(ndim) if i != layer.axis % ndim]
+
+
+def fused_activation(layer):
+    """The activation a Dense/Conv-family layer's own ``call`` applies last, as stored on the instance.
+
+    Why: the TensorFlow back end recomputes such a layer's pre-activation by shadowing ``activation`` on the
+    instance with ``linear``, then restores what this returns. Keras 3.15's Dense, EinsumDense and convolution
+    layers store it as an instance attribute in ``__init__`` and their ``call`` reads ``self.activation`` at call
+    time; reading the instance dict (not the attribute) makes the restore exact.
+    """
+    try:
+        return vars(layer)["activation"]
+    except (KeyError, TypeError):
+        raise RuntimeError(
+            f"keras_lms._keras_adapter.fused_activation() expects {type(layer).__name__} to store `activation` on "
+            f"the instance, as Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} does; Keras {keras.__version__} does "
+            "not. The adapter needs updating for this Keras."
+        ) from None
