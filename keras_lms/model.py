@@ -208,7 +208,7 @@ class LMSModel(keras.Model):
             finally:
                 self._offload_depth -= 1
             plan = planner.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
-                                     static_bytes=self.static_bytes())
+                                     **self._non_activation_bytes())
             memory.check_host_memory(policy.host_bytes_per_step(plan))
             self._plans[key] = plan
         return plan
@@ -216,6 +216,12 @@ class LMSModel(keras.Model):
     def static_bytes(self) -> int:
         """Device bytes of weights, gradients and optimizer state (the planner's non-activation memory)."""
         return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
+
+    def _non_activation_bytes(self) -> dict:
+        """What the planner adds to the activations: static bytes and the optimizer update's temporaries."""
+        optimizer = getattr(self, "optimizer", None)
+        return dict(static_bytes=self.static_bytes(),
+                    update_bytes=planner.update_temporary_bytes(self.inner_model, optimizer))
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.fit`; first notes the batch size that will arrive, which the offload plan needs.
@@ -266,7 +272,7 @@ class LMSModel(keras.Model):
                 "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
             )
         calls = self._offload.trace_calls(self.inner_model, self._structure, specs, {})
-        return planner.build_plan(calls, self.lms_config, batch_size=batch_size, static_bytes=self.static_bytes())
+        return planner.build_plan(calls, self.lms_config, batch_size=batch_size, **self._non_activation_bytes())
 
     @property
     def lms_plan(self) -> list:

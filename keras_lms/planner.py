@@ -211,26 +211,27 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     return StepMemory(static_bytes, timeline, update_bytes)
 
 
-def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0) -> list:
+def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0, update_bytes: int = 0) -> list:
     """Decide every call of one forward pass: the policy's per-call rules, narrowed to ``device_budget``.
 
     One ``PlanEntry`` per call, in forward order. With ``config.device_budget`` only what the predicted step
-    (``static_bytes`` of weights, gradients and optimizer state included) needs is offloaded.
+    (``static_bytes`` of weights, gradients and optimizer state and the optimizer update's ``update_bytes``
+    included) needs is offloaded.
     """
     decisions = policy.decide_all(calls, config, batch_size)
     if config.device_budget is not None:
-        decisions = fit_budget(calls, decisions, config, batch_size, static_bytes)
+        decisions = fit_budget(calls, decisions, config, batch_size, static_bytes, update_bytes)
     return policy.plan_entries(calls, decisions, batch_size)
 
 
-def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
+def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, update_bytes: int = 0):
     """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``.
 
     Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
     """
     budget = config.device_budget
     none = [[False] * len(d.offload_tensor) for d in decisions]
-    plain = simulate(calls, none, batch_size, config.prefetch, static_bytes)
+    plain = simulate(calls, none, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes)
     if plain.budget_bytes <= budget:
         log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
                  format_bytes(plain.budget_bytes), format_bytes(budget))
@@ -246,7 +247,7 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
     memory = plain
     for i in candidates:
         chosen[i] = list(decisions[i].offload_tensor)
-        memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes)
+        memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes)
         if memory.budget_bytes <= budget:
             break
     if memory.budget_bytes > budget:
@@ -256,8 +257,9 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int):
         raise BudgetError(
             f"device_budget {format_bytes(budget)} cannot be met: with every eligible tensor offloaded the step is "
             f"predicted to need {format_bytes(memory.budget_bytes)} with the planner's margin "
-            f"({format_bytes(static_bytes)} of weights, "
-            f"gradients and optimizer state). The largest single layer call is {calls[largest].unit.name!r} "
+            f"({format_bytes(static_bytes)} of weights, gradients and optimizer state"
+            + (f", {format_bytes(update_bytes)} of optimizer-update temporaries" if update_bytes else "")
+            + f"). The largest single layer call is {calls[largest].unit.name!r} "
             f"({format_bytes(need)} for its inputs and outputs at batch size {batch_size}). Use a smaller batch "
             "or input, a larger budget, or lower min_bytes/keep_last."
         )

@@ -263,10 +263,10 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
             raise ValueError(f"Model {model.name!r} does not record its input shape: pass input_shape=(...).")
     calls = backend.trace_calls(model, structure, specs, {})
     static = planner.static_bytes(model, optimizer)
-    plan = planner.build_plan(calls, config, batch_size=batch_size, static_bytes=static)
+    update = planner.update_temporary_bytes(model, optimizer)
+    plan = planner.build_plan(calls, config, batch_size=batch_size, static_bytes=static, update_bytes=update)
     offloaded = [list(e.tensor_offloaded) for e in plan]
     none = [[False] * len(row) for row in offloaded]
-    update = planner.update_temporary_bytes(model, optimizer)
     plain = planner.simulate(calls, none, batch_size, config.prefetch, static, unwrapped=True, update_bytes=update)
     with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static, update_bytes=update)
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},

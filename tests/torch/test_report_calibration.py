@@ -68,3 +68,20 @@ def test_negative_control_the_tensorflow_model_of_a_plain_step_misses_torch(rows
     predicted = predicted_step_bytes(keras_lms.report(model, batch_size=shape[0]).plain, model)
     measured = rows["unet2d"]["plain_nogc"]
     assert abs(predicted / measured - 1) > 2 * TOLERANCE, (predicted, measured)
+
+
+def test_budget_counts_the_optimizer_update_on_torch():
+    """A budget that holds weights, gradients, Adam's slots and the activations but not Adam's foreach
+    temporaries (three weight-sized tensors on torch) cannot be met; with SGD (none) the same budget fits."""
+    model = dense_chain(512, 4)
+    model.compile(optimizer="adam", loss="mse")
+    static = planner.static_bytes(model, None)
+    update = planner.update_temporary_bytes(model, keras.optimizers.Adam())
+    assert update == 3 * planner.variable_bytes(model.trainable_variables)
+    budget = static + update // 2
+    with pytest.raises(keras_lms.BudgetError, match="optimizer-update temporaries"):
+        keras_lms.report(model, batch_size=16, device_budget=budget)
+    model.compile(optimizer="sgd", loss="mse")
+    assert planner.update_temporary_bytes(model, model.optimizer) == 0
+    rep = keras_lms.report(model, batch_size=16, device_budget=budget)
+    assert rep.wrapped.budget_bytes <= budget
