@@ -162,8 +162,7 @@ def saved_extra_bytes(unit, input_bytes: int, output_bytes: int, backend: str | 
     backend = backend or keras.backend.backend()
     if backend != "torch":
         return 0
-    if is_keras_class(unit, CONV_LAYERS) or is_keras_class(unit, NORMALIZATION_LAYERS) or is_keras_class(
-            unit, DROPOUT_LAYERS):
+    if is_keras_class(unit, CONV_LAYERS | NORMALIZATION_LAYERS | DROPOUT_LAYERS):
         return input_bytes
     if is_keras_class(unit, MAX_POOLING_LAYERS):
         return 2 * output_bytes  # int64 indices, one per (float32) output element

@@ -78,7 +78,7 @@ def offloadable_reason(unit, structure=None) -> str | None:
     """
     if adapter.is_quantized(unit):
         return "quantized layers are not intercepted (they run quantized_call)"
-    foreign = getattr(structure, "foreign_reads", {}).get(id(unit)) if structure is not None else None
+    foreign = structure.foreign_reads.get(id(unit)) if structure is not None else None
     if foreign:
         return (f"reads trainable variables of other layers ({', '.join(foreign)}); the recompute returns "
                 "gradients only for the layer's own variables, so the call runs plainly")

@@ -36,7 +36,9 @@ class HostBufferPool:
     @staticmethod
     def key(shape, dtype, stride=None) -> tuple:
         shape = tuple(int(d) for d in shape)
-        return shape, dtype, tuple(int(s) for s in stride) if stride is not None else _contiguous_stride(shape)
+        if stride is None:
+            stride = torch.empty(shape, device="meta").stride()  # contiguous
+        return shape, dtype, tuple(int(s) for s in stride)
 
     def acquire(self, shape, dtype, stride=None) -> torch.Tensor:
         """An idle buffer of that shape, dtype and stride (default: contiguous), or a new one."""
@@ -91,16 +93,7 @@ def clear_host_pool() -> None:
         _POOL.clear()
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(stride))
-
-
-def layout_of(tensor: torch.Tensor):
-    """The strides a host copy of ``tensor`` takes: its own when it is dense and non-overlapping (what
-    ``torch.empty_like`` preserves), else contiguous (None)."""
-    stride = torch.empty_like(tensor, device="meta").stride()
-    return stride if stride == tensor.stride() else None
+def layout_of(tensor: torch.Tensor) -> tuple:
+    """The strides a host copy of ``tensor`` takes: what ``torch.empty_like`` preserves, i.e. its own when it is
+    dense and non-overlapping, else contiguous ones."""
+    return torch.empty_like(tensor, device="meta").stride()
