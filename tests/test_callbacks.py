@@ -61,7 +61,8 @@ def test_device_peak_grows_with_batch():
     Absolute peaks include everything else the process holds, which depends on the tests run before (garbage
     freed between the two fits moved the difference below the bound in some orders), so each fit's peak is
     taken above the bytes in use when its epoch began, and those two rises are compared. Each rise also holds
-    ~60 MiB that is not activations (oneDNN scratch space, varying by up to ~17 MiB with the tests run before),
+    ~60 MiB that is not activations (allocator use the report does not model; its source was not pinned
+    down) and varied by up to ~17 MiB with the tests run before,
     so the model is large enough (96x96 inputs, 8 base filters) for the activations to dominate."""
     import gc
 
