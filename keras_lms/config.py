@@ -124,6 +124,14 @@ class LMSConfig:
         device_budget: `None` (offload by the rules above), or bytes / a size string such as `"6GiB"`: the
             planner then offloads only what the predicted training step needs to fit (largest, longest-lived
             tensors first; nothing when it fits anyway). Defaults to `None`.
+        lean_normalization: in the backward pass of an offloaded BatchNormalization call (training, batch
+            statistics), compute the gradient with the framework's fused batch-norm gradient kernel (torch:
+            `native_batch_norm_backward`) from the forward's saved batch statistics, instead of recomputing
+            Keras' separate normalisation ops and differentiating them: no input-sized float32 temporaries,
+            no recompute. The forward pass, its output and the moving statistics are Keras' own either way.
+            The gradient is the same up to rounding (about 1e-7 relative in float32, 1e-16 in float64; see
+            docs/design.md, "Lean normalisation"); `False` makes the backward bit-identical to the plain
+            model's. Defaults to `True`.
 
     Raises:
         TypeError: a setting has the wrong type (e.g. `keep_last=1.5`, a layer object instead of its name in
@@ -157,6 +165,7 @@ class LMSConfig:
     host_device: str = "/CPU:0"
     prefetch: int = 1
     device_budget: int | None = None
+    lean_normalization: bool = True
 
     def __post_init__(self):
         def set_(key, value):  # the dataclass is frozen: normalised values are written once, here
@@ -167,6 +176,8 @@ class LMSConfig:
         set_("prefetch", _non_negative_int(self.prefetch, "prefetch", "Use 0 to swap in when the gradient arrives."))
         set_("include", _selectors(self.include, "include"))
         set_("exclude", _selectors(self.exclude, "exclude"))
+        if not isinstance(self.lean_normalization, bool):
+            raise TypeError(f"lean_normalization must be True or False; got {self.lean_normalization!r}.")
         if not isinstance(self.host_device, str):
             raise TypeError(f"host_device must be a device string such as '/CPU:0'; got {self.host_device!r}.")
         if not self.host_device.strip():

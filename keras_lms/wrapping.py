@@ -16,7 +16,8 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(LMSConfig
 
 def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_last"], include=_DEFAULTS["include"],
          exclude=_DEFAULTS["exclude"], host_device=_DEFAULTS["host_device"], prefetch=_DEFAULTS["prefetch"],
-         device_budget=_DEFAULTS["device_budget"], config=None) -> LMSModel:
+         device_budget=_DEFAULTS["device_budget"], lean_normalization=_DEFAULTS["lean_normalization"],
+         config=None) -> LMSModel:
     """Wrap `model` so that training keeps its large activations in host memory.
 
     During a training step every offloaded layer call copies its inputs to `host_device` in the forward pass;
@@ -41,6 +42,10 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
         device_budget: `None`, or bytes / a size string such as `"6GiB"`: offload only what the predicted
             training step needs to fit the budget (largest, longest-lived tensors first; nothing when it fits
             anyway). Defaults to `None`.
+        lean_normalization: differentiate offloaded BatchNormalization calls with the framework's fused
+            batch-norm gradient kernel from the forward's batch statistics (no recompute, no input-sized float32
+            temporaries); equal to the plain gradient up to rounding. `False`: bit-identical recompute. Defaults
+            to `True`.
         config: a `keras_lms.LMSConfig` to use instead of the keyword settings above (pass one or the other).
 
     Returns:
@@ -96,7 +101,8 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
             "replace the inner ones by keras_lms.unwrap(inner)."
         )
     given = dict(min_bytes=min_bytes, keep_last=keep_last, include=include, exclude=exclude,
-                 host_device=host_device, prefetch=prefetch, device_budget=device_budget)
+                 host_device=host_device, prefetch=prefetch, device_budget=device_budget,
+                 lean_normalization=lean_normalization)
     if config is not None:
         if not isinstance(config, LMSConfig):
             raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")

@@ -57,6 +57,8 @@ def test_model_containing_wrapped_model(model):
     (dict(device_budget="1KiB"), keras_lms.planner.BudgetError, "cannot be met.*largest single layer call"),
     (dict(device_budget=0), ValueError, "device_budget must be > 0"),
     (dict(device_budget=-5), ValueError, "device_budget must be >= 0"),
+    (dict(lean_normalization="yes"), TypeError, "lean_normalization must be True or False"),
+    (dict(lean_normalization=1), TypeError, "lean_normalization must be True or False"),
 ])
 def test_bad_config_values(model, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
