@@ -33,7 +33,8 @@ def parse_bytes(value, name: str) -> int:
         )
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{name} must be >= 0 bytes; got {value}. Use 0 to offload every eligible tensor.")
+            hint = {"min_bytes": " Use 0 to offload every eligible tensor.", "slab_bytes": " Use 0 to turn slabs off."}
+            raise ValueError(f"{name} must be >= 0 bytes; got {value}.{hint.get(name, '')}")
         return value
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
@@ -132,6 +133,14 @@ class LMSConfig:
             The gradient is the same up to rounding (about 1e-7 relative in float32, 1e-16 in float64; see
             docs/design.md, "Lean normalisation"); `False` makes the backward bit-identical to the plain
             model's. Defaults to `True`.
+        slab_bytes: offloaded calls of spatially local layers (stride-1 `"same"` convolutions,
+            BatchNormalization, element-wise activations) whose input is larger than this are computed in slabs
+            along the first spatial axis, forward and backward, with halos for the convolutions: only
+            slab-sized temporaries (layout copies, float32 BatchNorm intermediates, swapped-in windows) exist on
+            the device, and a convolution over a channel concatenation (a U-Net decoder) reads the
+            concatenated tensors without building the concatenation. Bytes or a size string; `0` turns slabs
+            off. The input gradient is exact; weight gradients and batch statistics are sums over slabs (equal
+            up to summation order; docs/design.md, "Slabs"). Defaults to `256 << 20` (256 MiB).
 
     Raises:
         TypeError: a setting has the wrong type (e.g. `keep_last=1.5`, a layer object instead of its name in
@@ -166,6 +175,7 @@ class LMSConfig:
     prefetch: int = 1
     device_budget: int | None = None
     lean_normalization: bool = True
+    slab_bytes: int = 256 << 20
 
     def __post_init__(self):
         def set_(key, value):  # the dataclass is frozen: normalised values are written once, here
@@ -176,6 +186,7 @@ class LMSConfig:
         set_("prefetch", _non_negative_int(self.prefetch, "prefetch", "Use 0 to swap in when the gradient arrives."))
         set_("include", _selectors(self.include, "include"))
         set_("exclude", _selectors(self.exclude, "exclude"))
+        set_("slab_bytes", parse_bytes(self.slab_bytes, "slab_bytes"))
         if not isinstance(self.lean_normalization, bool):
             raise TypeError(f"lean_normalization must be True or False; got {self.lean_normalization!r}.")
         if not isinstance(self.host_device, str):

@@ -17,7 +17,7 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(LMSConfig
 def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_last"], include=_DEFAULTS["include"],
          exclude=_DEFAULTS["exclude"], host_device=_DEFAULTS["host_device"], prefetch=_DEFAULTS["prefetch"],
          device_budget=_DEFAULTS["device_budget"], lean_normalization=_DEFAULTS["lean_normalization"],
-         config=None) -> LMSModel:
+         slab_bytes=_DEFAULTS["slab_bytes"], config=None) -> LMSModel:
     """Wrap `model` so that training keeps its large activations in host memory.
 
     During a training step every offloaded layer call copies its inputs to `host_device` in the forward pass;
@@ -46,6 +46,10 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
             batch-norm gradient kernel from the forward's batch statistics (no recompute, no input-sized float32
             temporaries); equal to the plain gradient up to rounding. `False`: bit-identical recompute. Defaults
             to `True`.
+        slab_bytes: offloaded calls of spatially local layers (stride-1 "same" convolutions, BatchNormalization,
+            element-wise activations) whose input is larger than this run in slabs along the first spatial axis,
+            forward and backward, so only slab-sized temporaries exist on the device (see `LMSConfig`). `0`
+            turns slabs off. Defaults to `256 << 20` (256 MiB).
         config: a `keras_lms.LMSConfig` to use instead of the keyword settings above (pass one or the other).
 
     Returns:
@@ -102,7 +106,7 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
         )
     given = dict(min_bytes=min_bytes, keep_last=keep_last, include=include, exclude=exclude,
                  host_device=host_device, prefetch=prefetch, device_budget=device_budget,
-                 lean_normalization=lean_normalization)
+                 lean_normalization=lean_normalization, slab_bytes=slab_bytes)
     if config is not None:
         if not isinstance(config, LMSConfig):
             raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")
