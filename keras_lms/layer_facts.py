@@ -167,3 +167,65 @@ def saved_extra_bytes(unit, input_bytes: int, output_bytes: int, backend: str | 
     if is_keras_class(unit, MAX_POOLING_LAYERS):
         return 2 * output_bytes  # int64 indices, one per (float32) output element
     return 0
+
+
+# Element-wise activations (Keras' own functions): a layer applying one of them is local along every spatial
+# axis, so it can be computed in slabs (keras_lms.offload.tf_slabs).
+def _elementwise_activation(fn) -> bool:
+    acts = keras.activations
+    elementwise = {acts.relu, acts.relu6, acts.sigmoid, acts.tanh, acts.elu, acts.selu, acts.linear, acts.gelu,
+                   acts.silu, acts.swish, acts.softplus, acts.softsign, acts.hard_sigmoid, acts.hard_silu,
+                   acts.leaky_relu, acts.mish, acts.exponential}
+    try:
+        return fn in elementwise
+    except TypeError:  # an unhashable callable
+        return False
+
+
+def slab_halo(unit, rank: int) -> int | None:
+    """How many rows of its input on either side one output row reads along the first spatial axis, for a
+    layer that can be computed in slabs of that axis (channels-last tensors of ``rank`` >= 3); None for any
+    other layer.
+
+    * element-wise activation layers (``ReLU``, ``LeakyReLU``, ``ELU``, ``Activation`` of a Keras element-wise
+      function): 0;
+    * ``BatchNormalization`` over the last axis, without renorm or synchronisation: 0 (its batch statistics
+      are global; the slab machinery computes them over all slabs);
+    * ``Conv1D/2D/3D`` running Keras' own ``call`` with ``padding="same"``, stride 1, channels last, an odd
+      kernel along the axis and an element-wise activation: ``dilation * (kernel - 1) // 2``.
+    """
+    from keras_lms import _keras_adapter as adapter
+
+    cls = type(unit)
+    if rank < 3:
+        return None
+    if slab_stride(unit) > 1:
+        return 0
+    if cls in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU):
+        return 0
+    if cls is keras.layers.Activation:
+        return 0 if _elementwise_activation(unit.activation) else None
+    if cls is keras.layers.BatchNormalization:
+        last = isinstance(unit.axis, int) and unit.axis % rank == rank - 1
+        return 0 if last and adapter.batchnorm_moments_hook(unit) else None
+    if not (is_keras_class(unit, {"Conv1D", "Conv2D", "Conv3D"}) and runs_keras_kernel_call(unit)):
+        return None
+    if (unit.padding != "same" or unit.data_format != "channels_last" or any(s != 1 for s in unit.strides)
+            or not _elementwise_activation(unit.activation) or unit.kernel_size[0] % 2 == 0):
+        return None
+    return unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
+
+
+
+def slab_stride(unit) -> int:
+    """How many input rows make one output row along the first spatial axis: the pool size of a Keras max
+    pooling layer whose windows tile that axis (pool size == stride, ``"valid"``, channels last); else 1.
+
+    Such a layer is computed in slabs whose bounds are multiples of the stride (halo 0).
+    """
+    if not is_keras_class(unit, MAX_POOLING_LAYERS):
+        return 1
+    pool, strides = unit.pool_size[0], unit.strides[0]
+    if unit.padding != "valid" or unit.data_format != "channels_last" or pool != strides or pool < 2:
+        return 1
+    return pool

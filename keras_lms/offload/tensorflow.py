@@ -32,6 +32,7 @@ import tensorflow as tf
 from keras_lms import _keras_adapter as adapter
 from keras_lms import policy
 from keras_lms.offload import common
+from keras_lms.offload import tf_slabs as slabs
 from keras_lms.offload.common import offloadable_reason
 from keras_lms.offload.tf_devices import (
     default_device,
@@ -89,6 +90,8 @@ class _CallRecord:
     moments: list = dataclasses.field(default_factory=list)  # BatchNorm (mean, variance) per _moments call
     n_outputs: int = 0
     output_key: object = None  # ref of the (first) output, to find the host copy a consumer made of it
+    slabs: slabs.SlabPlan | None = None  # computed slab by slab (tf_slabs), or None: whole
+    concatenated: bool = False  # the inputs are the parts of a channel concatenation the layer reads
 
 
 class StepContext(common.InterceptingContext):
@@ -103,6 +106,7 @@ class StepContext(common.InterceptingContext):
         self.swap_ins = {}  # host tensor ref -> latest swapped-in device tensor
         self.records = {}  # call index -> _CallRecord (offloaded calls only)
         self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
+        self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -120,12 +124,40 @@ class StepContext(common.InterceptingContext):
                 # its producer may read them there instead of recomputing (see _swapped_in_output).
                 self.device_held.update(t.ref() for t in tensors)
             if self.eager or not reads_own_output(unit):
-                return original(*args, **kwargs)
+                outputs = original(*args, **kwargs)
+                self._note_concatenation(unit, tensors, outputs)
+                return outputs
             # Kept inputs, but TensorFlow's own gradient would read this call's *output* on the device (a
             # fused relu/sigmoid/tanh/elu, a ReLU layer) and so keep it there even when the next layer offloads
             # it. Run it through the offload path with nothing offloaded: its backward then reads the
             # output's host copy when a consumer made one (see _swapped_in_output).
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
+
+    def _note_concatenation(self, unit, tensors, outputs):
+        """Remember a channel concatenation's parts, so that a slab-computed consumer reads them instead."""
+        if (self.config.slab_bytes and type(unit) is keras.layers.Concatenate and isinstance(outputs, tf.Tensor)
+                and len(tensors) > 1 and adapter.get_mask(outputs) is None
+                and unit.axis % len(outputs.shape) == len(outputs.shape) - 1):
+            self.concat_parts[outputs.ref()] = list(tensors)
+
+    def _slab_inputs(self, unit, tensors, decision):
+        """(slab plan or None, the call's input tensors, per-tensor offload flags, concatenated?).
+
+        A slab-computed call whose single input is a channel concatenation takes the concatenated tensors
+        instead (offloaded like the concatenation would have been), see tf_slabs.
+        """
+        offload = list(decision.offload_tensor)
+        if self.eager or any(adapter.get_mask(t) is not None for t in tensors):
+            return None, tensors, offload, False
+        parts = self.concat_parts.get(tensors[0].ref()) if len(tensors) == 1 else None
+        if parts is not None and decision.offloaded and not isinstance(unit, keras.layers.BatchNormalization):
+            plan = slabs.plan_slabs(unit, [list(p.shape) for p in parts], sum(self.tensor_bytes(p) for p in parts),
+                                    self.config.slab_bytes)
+            if plan is not None:
+                return plan, list(parts), offload * len(parts), True
+        plan = slabs.plan_slabs(unit, [list(t.shape) for t in tensors], sum(self.tensor_bytes(t) for t in tensors),
+                                self.config.slab_bytes)
+        return plan, tensors, offload, False
 
     def swap_out(self, tensor):
         if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends
@@ -143,6 +175,7 @@ class StepContext(common.InterceptingContext):
 
     def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
         template, positions = common.template(args, kwargs, TENSOR_FACTS.is_tensor)
+        plan, tensors, offload, concatenated = self._slab_inputs(unit, tensors, decision)
         n = len(tensors)
         is_layer = isinstance(unit, keras.layers.Layer)
         # Read values now: the snapshot must not see this step's state updates (same Dropout masks and
@@ -153,12 +186,13 @@ class StepContext(common.InterceptingContext):
         masks = [adapter.get_mask(t) for t in tensors]
         record = _CallRecord(
             index=index, unit=unit, original=original, template=template, positions=positions,
-            hosts=[self.swap_out(t) if off else None for t, off in zip(tensors, decision.offload_tensor)],
+            hosts=[self.swap_out(t) if off else None for t, off in zip(tensors, offload)],
             # Small tensors stay on the device and are read by the backward pass directly.
-            kept=[None if off else t for t, off in zip(tensors, decision.offload_tensor)],
+            kept=[None if off else t for t, off in zip(tensors, offload)],
             masks=masks, trainable=trainable, snapshot=snapshot,
             compute_device=next((t.device for t in tensors if t.device), None),
             kept_call=not decision.offloaded, autocast=adapter.current_autocast_dtype(),
+            slabs=plan, concatenated=concatenated,
         )
         self.records[index] = record
         forward = {}
@@ -168,10 +202,13 @@ class StepContext(common.InterceptingContext):
             xs, values = list(flat[:n]), list(flat[n:])
             for x, mask in zip(xs, masks):
                 adapter.set_mask(x, mask)
-            call_args, call_kwargs = common.rebuild(template, positions, xs)
-            with _capture_moments(unit, record):
-                outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
-                                                                   call_kwargs, record.autocast)
+            if plan is not None and (plan.moments or concatenated):
+                outputs, new_state, losses = self._slab_forward(record, xs, values)
+            else:
+                call_args, call_kwargs = common.rebuild(template, positions, xs)
+                with _capture_moments(unit, record):
+                    outputs, new_state, losses = adapter.run_stateless(unit, original, values, snapshot, call_args,
+                                                                       call_kwargs, record.autocast)
             flat_outputs = tf.nest.flatten(outputs)
             forward.update(outputs=outputs, new_state=new_state)
             record.n_outputs = len(flat_outputs)
@@ -195,6 +232,7 @@ class StepContext(common.InterceptingContext):
                 if new is not old:
                     var.assign(new)
         record.output_key = None if self.eager else flat_results[0].ref()
+        self._note_concatenation(unit, tensors, outputs)
         return outputs
 
     # ----------------------------------------------------------------- backward
@@ -236,6 +274,10 @@ class StepContext(common.InterceptingContext):
             with _on_device(device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
+        if record.slabs is not None and not self.eager and upstream[0] is not None and len(upstream) == 1:
+            result = self._slab_backward(record, upstream[0], trigger, foreign_variables)
+            if result is not None:
+                return result
         direct = input_gradient_from_output(unit)
         if (direct is not None and foreign_variables is None and len(record.hosts) == 1 and not record.trainable
                 and upstream[0] is not None):
@@ -312,6 +354,113 @@ class StepContext(common.InterceptingContext):
             return record.output_key.deref() if on_device else None
         y = self.swap_ins.get(host.ref())
         return y if y is not None else self.swap_in(host, trigger, record.compute_device, record.index)
+
+
+    # -------------------------------------------------------------------- slabs
+    def _slab_call(self, record, windows, values, moments=None):
+        """Run the layer on slab ``windows`` (the parts of a concatenation are concatenated here)."""
+        if record.concatenated:
+            windows = [tf.concat(windows, -1)]
+        call_args, call_kwargs = common.rebuild(record.template, record.positions, windows)
+        with _given_moments(record.unit, moments):
+            return adapter.run_stateless(record.unit, record.original, values, record.snapshot, call_args,
+                                         call_kwargs, record.autocast)
+
+    def _slab_forward(self, record, xs, values):
+        """The forward of a slab-computed call (tf_slabs.forward); BatchNormalization's batch statistics first."""
+        plan, moments = record.slabs, None
+        if plan.moments:
+            compute_dtype = keras.backend.result_type(xs[0].dtype.name, "float32")
+            axes = adapter.batchnorm_reduction_axes(record.unit, xs[0])
+            mean, variance = slabs.global_moments(xs[0], plan, axes, compute_dtype)
+            record.moments.append((mean, variance, axes))
+            moments = lambda x: (mean, variance)  # noqa: E731
+        output, new_state, losses = slabs.forward(
+            lambda windows: self._slab_call(record, windows, values, moments), xs, plan)
+        return output, new_state, losses
+
+    def _slab_window(self, record, i, a, b, gate, trigger):
+        """Rows [a, b) of input ``i`` on the device: cut from its host copy on the host once ``trigger`` and
+        ``gate`` (the previous window) have run, then sent alone; a kept input is sliced on the device."""
+        host = record.hosts[i]
+        if host is None:
+            with _on_device(record.compute_device), slabs.gated([gate]):
+                return slabs.rows(record.kept[i], a, b)
+        return self._host_window(host, a, b, [trigger, gate], record)
+
+    def _host_window(self, host, a, b, gates, record):
+        name = f"{SWAP_IN_NAME}_{record.index}_rows{a}"
+        with tf.device(self.host), slabs.gated(gates):
+            staged = _HOST_OP(slabs.rows(host, a, b), name=f"{name}_{HOST_STAGE_SUFFIX}")
+        with _on_device(record.compute_device):
+            return tf.identity(staged, name=name)
+
+    def _slab_backward(self, record, dy, trigger, foreign_variables):
+        """The backward of a slab-computed call (tf_slabs.backward), or None to differentiate it whole."""
+        unit, plan, device = record.unit, record.slabs, record.compute_device
+        direct = input_gradient_from_output(unit)
+        if direct is not None and len(record.hosts) == 1 and not record.trainable and foreign_variables is None:
+            # An activation whose gradient reads its output: windows of the output's host copy (else whole).
+            host = self.host_copies.get(record.output_key)
+            if host is None or record.n_outputs != 1:
+                return None
+
+            def differentiate(windows, dy_inputs, _):
+                with _on_device(device):
+                    return [direct(windows[0], dy_inputs)], []
+
+            inputs, _ = slabs.backward(plan, dy, lambda i, a, b, gate: self._host_window(
+                host, a, b, [trigger, gate], record), differentiate, 1, 0)
+            return inputs
+        foreign = list(foreign_variables or [])
+        weights = list(record.trainable) + foreign
+        moments = None
+        if plan.moments:
+            if len(record.moments) != 1:
+                return None
+            moments = self._slab_moment_gradients(record, dy, trigger)
+
+        def differentiate(windows, dy_inputs, dy_weights):
+            with _on_device(device):
+                with tf.GradientTape(persistent=dy_inputs is not dy_weights, watch_accessed_variables=False) as tape:
+                    tape.watch(windows + weights)
+                    outputs, _, _ = self._slab_call(record, windows, record.trainable, moments)
+                y = tf.nest.flatten(outputs)[0]
+                if dy_inputs is dy_weights:
+                    grads = tape.gradient(y, windows + weights, output_gradients=dy_inputs)
+                    return grads[:len(windows)], grads[len(windows):]
+                return (tape.gradient(y, windows, output_gradients=dy_inputs),
+                        tape.gradient(y, weights, output_gradients=dy_weights))
+
+        first_gate = moments.gate if moments is not None else None
+        inputs, weight_grads = slabs.backward(
+            plan, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate if gate is not None else first_gate,
+                                                                trigger),
+            differentiate, len(record.hosts), len(weights))
+        own = weight_grads[:len(record.trainable)]
+        if foreign_variables is None:
+            return inputs + own
+        return inputs + own, weight_grads[len(record.trainable):]
+
+    def _slab_moment_gradients(self, record, dy, trigger):
+        """First pass of a BatchNormalization's slab backward: the gradient reaching its batch mean and variance,
+        summed over slabs. Returns the moments function for the second pass (tf_slabs module docstring)."""
+        mean, variance, axes = record.moments[0]
+        device = record.compute_device
+
+        def differentiate(windows, dy_inputs, _):
+            with _on_device(device):
+                m, v = tf.identity(mean), tf.identity(variance)
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch([m, v])
+                    outputs, _, _ = self._slab_call(record, windows, record.trainable, lambda x: (m, v))
+                return [], tape.gradient(tf.nest.flatten(outputs)[0], [m, v], output_gradients=dy_inputs)
+
+        _, (d_mean, d_variance) = slabs.backward(
+            record.slabs, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate, trigger),
+            differentiate, 1, 2)
+        x = record.hosts[0] if record.hosts[0] is not None else record.kept[0]
+        return _TotalMoments(mean, variance, axes, d_mean, d_variance, x.shape)
 
 
 @contextlib.contextmanager
@@ -397,3 +546,44 @@ class _without_activation:
     def __exit__(self, *exc):
         if self.enabled:
             object.__setattr__(self.unit, "activation", self.saved)
+
+
+@contextlib.contextmanager
+def _given_moments(unit, moments):
+    """Within the block, BatchNormalization's batch statistics are ``moments(inputs)`` (None: its own)."""
+    hook = adapter.batchnorm_moments_hook(unit)
+    if moments is None or hook is None:
+        yield
+        return
+    with adapter.patched_attribute(unit, hook, lambda inputs, mask: moments(inputs)):
+        yield
+
+
+class _TotalMoments:
+    """BatchNormalization's batch statistics for the second pass of a slab backward: their values are the
+    forward's, and the gradient they send to a slab's input is the one the *total* gradient of the mean and
+    variance (summed over slabs in the first pass) sends there, computed as TensorFlow's gradients of
+    ``reduce_mean`` (d_mean / n, broadcast) and ``squared_difference`` (2 * d_variance / n * (x - mean)) do."""
+
+    def __init__(self, mean, variance, axes, d_mean, d_variance, full_shape):
+        self.mean, self.variance, self.axes = mean, variance, list(axes)
+        self.d_mean, self.d_variance = d_mean, d_variance
+        self.count = 1
+        for axis in self.axes:
+            self.count *= int(full_shape[axis])
+        self.gate = d_mean  # the second pass starts once the first has finished
+
+    def __call__(self, x):
+        mean, variance, d_mean, d_variance, count = self.mean, self.variance, self.d_mean, self.d_variance, self.count
+
+        @tf.custom_gradient
+        def statistics(x):
+            def grad(unused_d_mean, unused_d_variance):
+                factor = tf.cast(count, x.dtype)
+                from_mean = d_mean / factor
+                from_variance = tf.math.scalar_mul(2.0, d_variance / factor) * (x - mean)
+                return from_mean + from_variance
+
+            return [tf.identity(mean), tf.identity(variance)], grad
+
+        return statistics(x)

@@ -1,0 +1,215 @@
+"""Slabs: one offloaded layer call computed a slab of its first spatial axis at a time (TensorFlow back end).
+
+Why: with per-layer offload the device peak of a large 3D U-Net is one full-resolution layer's working set,
+not the stored activations: BatchNormalization's float32 temporaries (six input-sized float32 buffers under
+mixed precision), the layout optimiser's channels-first copies around every float32 convolution and its
+gradient, the swapped-in input, and a decoder's concatenation. Computed slab by slab, every one of those is
+slab-sized; what remains whole on the device is the call's input (forward) or output gradient (backward) and
+the result being assembled.
+
+How, for a call ``y = f(x)`` of a layer that is local along axis 1 (``layer_facts.slab_halo``: output row i
+reads input rows i-h..i+h):
+
+* forward (BatchNormalization, or a convolution over a concatenation): ``y = concat_s f(x[s0-h : s1+h])``
+  cropped to rows [s0, s1). BatchNormalization's batch statistics are computed first, over all slabs (a sum
+  of per-slab sums, then of squared differences, as ``tf.nn.moments`` does in one go), and every slab is
+  normalised with them through Keras' own ``call``;
+* backward: each slab's input window, rows [s0-2h, s1+2h), is cut from the host copy *on the host* and
+  brought back alone; the window is recomputed and differentiated with the output gradient restricted to
+  rows [s0-h, s1+h) for the input gradient (exact: every output row that reads input rows [s0, s1) is
+  correct in the window) and to rows [s0, s1) for the weight gradients (each output row counted once);
+  the pieces are concatenated;
+* BatchNormalization's backward takes two passes: the first sums, over slabs, the gradient reaching the batch
+  mean and variance; the second differentiates each slab with that total routed through the statistics
+  exactly as TensorFlow's own ``reduce_mean`` / ``squared_difference`` gradients do;
+* a convolution whose input is a channel concatenation (``StepContext.concat_parts``) takes the concatenated
+  tensors as its inputs and concatenates only slab windows, so neither the concatenation nor its gradient is
+  ever whole on the device (TensorFlow prunes the unused concatenation).
+
+Slabs run one after another: each slab's slicing waits (control dependency) for the previous slab's piece, and
+its host-side cut for the piece of the slab before that, so at most two windows are on the device. Input gradients
+equal the plain model's up to the order of additions in overlapping sums; weight gradients and batch
+statistics are sums over slabs (docs/design.md, "Slabs").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import keras
+import tensorflow as tf
+
+from keras_lms import layer_facts
+
+AXIS = 1  # the first spatial axis of a channels-last tensor (batch, spatial..., channels)
+SLAB_SWAP_IN = "lms_swap_in"  # prefix shared with whole-tensor swap-ins (executed-graph tests count them)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabPlan:
+    """How one call is cut: ``bounds`` ((s0, s1) per slab) of ``length`` rows along AXIS, the layer's halo,
+    and whether it is a BatchNormalization with batch statistics (``moments``)."""
+
+    length: int
+    bounds: tuple
+    halo: int
+    moments: bool
+    stride: int = 1  # input rows per output row (a tiling max pooling); bounds are multiples of it
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds)
+
+    def forward_window(self, s0, s1):
+        return max(0, s0 - self.halo), min(self.length, s1 + self.halo)
+
+    def backward_window(self, s0, s1):
+        return max(0, s0 - 2 * self.halo), min(self.length, s1 + 2 * self.halo)
+
+    def gradient_rows(self, s0, s1):
+        return max(0, s0 - self.halo), min(self.length, s1 + self.halo)
+
+
+def slab_bounds(length: int, count: int, align: int = 1) -> tuple:
+    """``count`` contiguous, nearly equal row ranges covering [0, length), inner edges multiples of ``align``."""
+    edges = [round(i * length / count / align) * align for i in range(count)] + [length]
+    return tuple((a, b) for a, b in zip(edges, edges[1:]) if b > a)
+
+
+def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int) -> SlabPlan | None:
+    """The slab plan of a call of ``unit`` on inputs of ``shapes`` (``nbytes`` in all), or None for whole.
+
+    Slabs are used when ``slab_bytes`` > 0, the inputs are larger than it, every input is a channels-last
+    tensor of rank >= 3 with the same static length along AXIS, and the layer is local (``slab_halo``).
+    """
+    if not slab_bytes or nbytes <= slab_bytes or not shapes:
+        return None
+    ranks = {len(s) for s in shapes}
+    lengths = {s[AXIS] if len(s) > AXIS else None for s in shapes}
+    if len(ranks) != 1 or len(lengths) != 1 or None in lengths:
+        return None
+    rank, length = ranks.pop(), lengths.pop()
+    halo = layer_facts.slab_halo(unit, rank)
+    if halo is None or getattr(unit, "activity_regularizer", None) is not None:
+        return None
+    stride = layer_facts.slab_stride(unit)
+    if length % stride:
+        return None
+    count = min(length // stride, math.ceil(nbytes / slab_bytes))
+    if count < 2:
+        return None
+    moments = isinstance(unit, keras.layers.BatchNormalization)
+    return SlabPlan(length, slab_bounds(length, count, stride), halo, moments, stride)
+
+
+def rows(x, a, b):
+    """Rows [a, b) of ``x`` along AXIS (a StridedSlice: a new, slab-sized buffer)."""
+    return x[:, a:b]
+
+
+def pad_rows(x, before, after):
+    """``x`` with ``before``/``after`` zero rows along AXIS."""
+    if not before and not after:
+        return x
+    paddings = [[0, 0]] * len(x.shape)
+    paddings[AXIS] = [before, after]
+    return tf.pad(x, paddings)
+
+
+def gated(deps):
+    """``tf.control_dependencies`` on the tensors in ``deps`` that exist."""
+    return tf.control_dependencies([d for d in deps if d is not None])
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def global_moments(x, plan: SlabPlan, axes, compute_dtype):
+    """Batch mean and (biased) variance of ``x`` over ``axes``, slab by slab: ``tf.nn.moments`` in two passes.
+
+    Returns (mean, variance) of shape [channels], in ``compute_dtype`` (float32 for float16 inputs, as Keras'
+    BatchNormalization casts before its moments).
+    """
+    count = 1
+    for axis in axes:
+        count *= x.shape[axis]
+    sums, prev = [], None
+    for s0, s1 in plan.bounds:
+        with gated([prev]):
+            part = tf.reduce_sum(tf.cast(rows(x, s0, s1), compute_dtype), axes)
+        sums.append(part)
+        prev = part
+    mean = tf.add_n(sums) / count
+    squares = []
+    for s0, s1 in plan.bounds:
+        with gated([prev]):
+            part = tf.reduce_sum(tf.math.squared_difference(tf.cast(rows(x, s0, s1), compute_dtype), mean), axes)
+        squares.append(part)
+        prev = part
+    return mean, tf.add_n(squares) / count
+
+
+def forward(run, xs, plan: SlabPlan):
+    """``run(windows) -> (output, new_state, losses)`` over every slab; returns the cropped, concatenated
+    output and the first slab's new state and losses (all slabs compute the same state from the same batch
+    statistics)."""
+    pieces, first, prev = [], None, None
+    for s0, s1 in plan.bounds:
+        a, b = plan.forward_window(s0, s1)
+        with gated([prev]):
+            windows = [rows(x, a, b) for x in xs]
+        output, new_state, losses = run(windows)
+        piece = rows(output, s0 - a, s1 - a) if (a, b) != (s0, s1) else output
+        pieces.append(piece)
+        prev = piece
+        if first is None:
+            first = (new_state, losses)
+    return tf.concat(pieces, AXIS), first[0], first[1]
+
+
+# ----------------------------------------------------------------------------------------------- backward
+@dataclasses.dataclass
+class SlabGradients:
+    """What the slab backward of one call returns: the input gradients, whole, and the summed gradients of
+    the trainable values (and of foreign variables, when the layer reads some)."""
+
+    inputs: list
+    trainable: list
+    foreign: list
+
+
+def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weights: int):
+    """Differentiate a call slab by slab (see the module docstring).
+
+    ``window_of(i, a, b, gate)`` returns input ``i``'s rows [a, b) on the device, cut after ``gate`` (a
+    result of the slab before the previous one, or None); ``differentiate(windows, dy_inputs, dy_weights)``
+    recomputes the call on the windows and returns (input gradients of the windows, weight gradients) for the two upstream gradients (the same
+    tensor when the layer has no halo).
+    """
+    pieces = [[] for _ in range(n_inputs)]
+    weight_parts = [[] for _ in range(n_weights)]
+    finished = [None, None]  # a result of the slab before the previous one, and of the previous one
+    for s0, s1 in plan.bounds:
+        a, b = plan.backward_window(s0, s1)
+        # The window is cut once the slab before the previous one has finished: with the previous slab's
+        # window it makes two in flight (the copy overlaps the previous slab's compute, and no more).
+        windows = [window_of(i, a, b, finished[0]) for i in range(n_inputs)]
+        prev_piece = finished[1]
+        with gated([prev_piece]):
+            # output rows, in the output's own rows (a tiling pooling has halo 0 and output rows = rows/stride)
+            g0, g1, oa, ob, o0, o1 = (v // plan.stride for v in (*plan.gradient_rows(s0, s1), a, b, s0, s1))
+            dy_inputs = pad_rows(rows(dy, g0, g1), g0 - oa, ob - g1)
+            dy_weights = dy_inputs if (g0, g1) == (o0, o1) else pad_rows(rows(dy, o0, o1), o0 - oa, ob - o1)
+        input_grads, weight_grads = differentiate(windows, dy_inputs, dy_weights)
+        done = []
+        for i, g in enumerate(input_grads):
+            if g is not None:
+                pieces[i].append(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g)
+                done.append(pieces[i][-1])
+        for j, g in enumerate(weight_grads):
+            if g is not None:
+                weight_parts[j].append(g)
+                done.append(g)
+        finished = [finished[1], done[0] if done else finished[1]]
+    inputs = [tf.concat(p, AXIS) if p else None for p in pieces]
+    weights = [tf.add_n(p) if p else None for p in weight_parts]
+    return inputs, weights
