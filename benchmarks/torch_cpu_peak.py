@@ -3,6 +3,8 @@
     KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak                 # issue-15 U-Nets + Dense chain
     KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --large         # + 2D 8x256^2, 3D 2x96^3 (slow)
     KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --quick         # tiny sizes (seconds)
+    KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --large --only 2x96 --dtype-policy mixed_bfloat16
+    KERAS_BACKEND=torch python -m benchmarks.torch_cpu_peak --large --only 2x96 --no-lean-normalization  # before
 
 No GPU is needed. A ``TorchDispatchMode`` (:class:`LiveStorageTracker`) sees every tensor the step's compute
 produces (forward, loss, backward, optimizer update) and keeps a weak reference to its storage; after each op
@@ -192,7 +194,7 @@ def cases(args):
                (2, 96, 96, 96, 1), {})
 
 
-def measure(name, build, shape, settings, forced=False):
+def measure(name, build, shape, settings, forced=False, lean_normalization=True):
     rng = np.random.default_rng(0)
     x = rng.random(shape).astype("float32")
     keras.utils.set_random_seed(0)
@@ -201,6 +203,7 @@ def measure(name, build, shape, settings, forced=False):
     y = (rng.random(out_shape) > 0.5).astype("float32")
     if forced:
         settings = dict(min_bytes=0, keep_last=0)
+    settings = dict(settings, lean_normalization=lean_normalization)
     loss = "binary_crossentropy" if model.output.shape[-1] == 1 and len(shape) > 2 else "mse"
     model.compile(optimizer="adam", loss=loss)
     row = dict(model=name)
@@ -222,21 +225,30 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny models (seconds)")
     parser.add_argument("--large", action="store_true", help="also the 2D 8x256^2 and 3D 2x96^3 U-Nets")
     parser.add_argument("--forced", action="store_true", help="wrap(min_bytes=0, keep_last=0) for every model")
+    parser.add_argument("--dtype-policy", default="float32",
+                        help="Keras dtype policy the models are built under, e.g. mixed_bfloat16 (default float32)")
+    parser.add_argument("--only", default=None, help="measure only the models whose name contains this")
+    parser.add_argument("--no-lean-normalization", action="store_true",
+                        help="wrap(lean_normalization=False): BatchNorm recomputed with Keras' ops (the 'before')")
     parser.add_argument("--keras-tree-cycles", action="store_true",
                         help="measure without keras-lms' workaround for Keras' reference cycles (the 'before')")
     args = parser.parse_args(argv)
     lms_torch.CPU_HOST_COPIES = True
+    keras.mixed_precision.set_global_policy(args.dtype_policy)
     if args.keras_tree_cycles:
         from keras_lms import _keras_adapter
 
         _keras_adapter.acyclic_torch_trees = contextlib.nullcontext
+    print(f"dtype policy {args.dtype_policy}, lean_normalization={not args.no_lean_normalization}")
     print("| model | plain peak | wrapped, normal GC | ratio | wrapped, GC off | ratio | report plain (err) | "
           "report wrapped (err) | report ratio | host copies |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name, build, shape, settings in cases(args):
+        if args.only and args.only not in name:
+            continue
         start = time.perf_counter()
-        r = measure(name, build, shape, settings, args.forced)
+        r = measure(name, build, shape, settings, args.forced, not args.no_lean_normalization)
         rows.append(r)
         print(f"| {name} | {r['plain'] / MIB:.1f} MiB | {r['wrapped'] / MIB:.1f} MiB | {r['wrapped'] / r['plain']:.3f} "
               f"| {r['wrapped_nogc'] / MIB:.1f} MiB | {r['wrapped_nogc'] / r['plain_nogc']:.3f} "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import torch
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
+from keras_lms.offload.torch import lean_norm
 from keras_lms.offload.torch.stats import count
 
 
@@ -56,6 +59,8 @@ class _CallRecord:
         self.forward_result = None
         self.transfer = None  # the Transfer of the call's device
         self.rng = None  # torch's global RNG states before the forward call (unseeded Dropout draws from them)
+        self.lean = False  # BatchNormalization: capture the batch statistics, differentiate with the fused kernel
+        self.moments = None  # (mean, variance) of a lean BatchNormalization call's forward, else None
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, flat):
@@ -63,8 +68,10 @@ class _CallRecord:
         for x, mask in zip(xs, self.masks):
             adapter.set_mask(x, mask)
         args, kwargs = common.rebuild(self.template, self.positions, xs)
-        outputs, new_state, losses = adapter.run_stateless(self.unit, self.original, values, self.snapshot, args,
-                                                           kwargs, self.autocast)
+        capture = lean_norm.capturing_moments(self.unit, self, xs[0]) if self.lean else contextlib.nullcontext()
+        with capture:
+            outputs, new_state, losses = adapter.run_stateless(self.unit, self.original, values, self.snapshot,
+                                                               args, kwargs, self.autocast)
         leaves = keras.tree.flatten(outputs)
         tensor_out = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.forward_result = (outputs, new_state, len(tensor_out))
@@ -113,12 +120,24 @@ class _CallRecord:
                 dy = grads[0]
                 dx = None if dy is None else self.output_grad(y, dy)
                 return [dx] + [None] * (self.n_inputs - 1) + [None] * len(self.trainable)
+            if self.moments is not None:
+                return self._lean_vjp(grads)
             return self._recompute_vjp(grads)
         finally:
             self.swaps = None
             self.kept = [None] * self.n_inputs
-            self.trainable = self.snapshot = None
+            self.trainable = self.snapshot = self.moments = None
             step.end_backward(self)
+
+    def _lean_vjp(self, grads):
+        """BatchNormalization without the recompute: torch's fused gradient kernel (``lean_norm``)."""
+        host, kept = self.hosts[0], self.kept[0]
+        x = kept if host is None else self.swaps[id(host)].get()
+        if grads[0] is None:
+            return [None] * (1 + len(self.trainable))
+        count(lean_normalization_calls=1)
+        dx, param_grads = lean_norm.backward(self.unit, x, grads[0], self.trainable, self.moments)
+        return [dx] + param_grads
 
     def _recompute_vjp(self, grads):
         xs = []
