@@ -145,7 +145,8 @@ def trace_training_step(model, x_shape, y_shape, dtype="float32", optimizer="ada
         with tf.device(STAND_IN):
             x, y = tf.identity(x), tf.identity(y)
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+                # Under mixed precision the model returns float16: the loss is computed in float32, as Keras does.
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), y.dtype) - y))
             grads = tape.gradient(loss, variables)
             if opt is None:
                 return loss, grads

@@ -2,7 +2,8 @@
 
     python benchmarks/simulated_gpu_peak.py              # Dense sanity check, 2D/3D U-Nets, ResNet (~1.5 min)
     python benchmarks/simulated_gpu_peak.py --forced     # also wrap(min_bytes=0, keep_last=0)
-    python benchmarks/simulated_gpu_peak.py --max-cube   # largest 3D U-Net cube that fits 16 GiB (~3 min)
+    python benchmarks/simulated_gpu_peak.py --max-cube   # largest 3D U-Net cube that fits 16 GiB (~10 min)
+    python benchmarks/simulated_gpu_peak.py --max-cube --dtype-policy mixed_float16   # the same in mixed precision
     python benchmarks/simulated_gpu_peak.py --quick      # small models, forced offload: a smoke run (~40 s)
 
 (Times on the 2-core development VM.) No GPU is needed and nothing is executed: each step (forward, loss,
@@ -309,7 +310,8 @@ def max_cube(batch: int, forced: bool, log) -> list:
 
 def max_cube_table(rows, batch: int) -> Table:
     table = Table(title=f"largest 3D U-Net (16 filters) cube that fits a {GPU_MEMORY / GIB:.0f} GiB simulated GPU, "
-                        f"batch {batch}, edges in steps of {CUBE_STEP}")
+                        f"batch {batch}, edges in steps of {CUBE_STEP}, dtype policy "
+                        f"{keras.mixed_precision.global_policy().name}")
     for column in ("run", "largest edge", "simulated peak GiB", "voxels", "voxel ratio vs plain"):
         table.add_column(column, justify="left" if column == "run" else "right")
     plain = rows[0]["voxels"]
@@ -326,7 +328,7 @@ def run(args, console, log) -> dict:
         rows = max_cube(args.batch, args.forced, log)
         console.print(max_cube_table(rows, args.batch))
         return {"max_cube": [{**r, "tried": {str(k): v for k, v in r["tried"].items()}} for r in rows],
-                "batch": args.batch, "gpu_memory": GPU_MEMORY}
+                "batch": args.batch, "gpu_memory": GPU_MEMORY, "dtype_policy": args.dtype_policy}
     sanity, sanity_numbers = sanity_check(args.quick)
     console.print(sanity)
     rows = []
@@ -352,8 +354,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-cube", action="store_true",
                         help="largest 3D U-Net cube that fits 16 GiB, plain vs wrapped")
     parser.add_argument("--batch", type=int, default=1, help="batch size for --max-cube (default 1)")
+    parser.add_argument("--dtype-policy", default="float32",
+                        help="Keras dtype policy of every model, plain and wrapped, e.g. mixed_float16 (default "
+                             "float32); the loss is computed in float32 either way")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
+    keras.mixed_precision.set_global_policy(args.dtype_policy)
     console = Console(width=200)
     log = lambda message: console.print(message, highlight=False)  # noqa: E731
     started = time.perf_counter()

@@ -136,36 +136,90 @@ def backward_reads(unit, backend: str | None = None) -> tuple:
     return True, False
 
 
-def backward_temporaries(unit, backend: str | None = None, recomputed: bool = False) -> int:
+def backward_temporaries(unit, backend: str | None = None, recomputed: bool = False, lean: bool = False) -> int:
     """Input-sized temporaries the call's gradient holds besides the gradients of its inputs and outputs.
 
-    Normalization: three on both back ends. On torch a convolution's input gradient comes out channels-first
-    and is copied to Keras' channels-last layout: one more, except in keras-lms' recompute of an offloaded call,
-    where the measured live-storage peaks are matched without it (a calibration on the U-Nets of
-    benchmarks/torch_cpu_peak.py, within 15%; the op-level reason was not pinned down).
+    Normalization: three on both back ends, none for torch's lean normalisation (``lean``: see
+    :func:`lean_normalization_call`). On torch a convolution's input gradient comes out channels-first and is
+    copied to Keras' channels-last layout: one more, except in keras-lms' recompute of an offloaded call, where
+    the input gradient of the swapped-in copy keeps its layout (what the recompute re-creates instead, e.g. the
+    convolution's copy of its input, is :func:`saved_extra_bytes`).
     """
     backend = backend or keras.backend.backend()
     if is_keras_class(unit, NORMALIZATION_LAYERS):
-        return NORMALIZATION_TEMPORARIES
+        return 0 if lean else NORMALIZATION_TEMPORARIES
     if backend == "torch" and is_keras_class(unit, CONV_LAYERS) and not recomputed:
         return 1
     return 0
 
 
-def saved_extra_bytes(unit, input_bytes: int, output_bytes: int, backend: str | None = None) -> int:
-    """Bytes the framework saves for the call's backward besides its inputs and outputs (plain model).
+# The torch lean normalisation's slabs (keras_lms/offload/torch/lean_norm.py reads them here): its float32
+# temporaries are one slab of max(LEAN_SLAB_ROWS, rows / LEAN_SLABS) rows (positions) x channels, at most the input.
+LEAN_SLABS = 16
+LEAN_SLAB_ROWS = 1 << 14
 
-    On torch, Keras' channels-last convolutions save a channels-first copy of their input, normalization
-    saves its centred input, and dropout its mask (measured with benchmarks/torch_cpu_peak.py). TensorFlow's
-    executed graph is calibrated without such extras (its layout optimiser works on whole graphs).
+
+def lean_normalization_temporary_bytes(input_shape, input_dtype, batch_size: int = 1) -> int:
+    """Bytes of the torch lean normalisation's temporaries for an input of ``input_shape`` (the batch axis
+    None or ``batch_size``), channels last: one float32 slab, two when the input is narrower (the slab is
+    cast first)."""
+    dims = [batch_size if d is None else int(d) for d in input_shape]
+    channels = max(dims[-1], 1)
+    rows = 1
+    for d in dims[:-1]:
+        rows *= d
+    slab_rows = min(rows, max(LEAN_SLAB_ROWS, -(-rows // LEAN_SLABS)))
+    copies = 1 if str(input_dtype) in ("float32", "float64") else 2
+    return copies * slab_rows * channels * 4
+
+
+def lean_normalization_call(unit, input_dtypes, backend: str | None = None) -> bool:
+    """Whether the torch back end differentiates an offloaded call of ``unit`` with its lean normalisation
+    (keras_lms/offload/torch/lean_norm.py, ``LMSConfig.lean_normalization``): Keras' own BatchNormalization
+    with batch statistics (trainable, no renorm, not synchronized), one input, not float64 (Keras on torch
+    computes a float64 model's BatchNorm in float32, where the exact recompute is kept). Its backward holds
+    the input, its gradient and the output's gradient, no recomputed output and no normalisation temporaries.
+    """
+    backend = backend or keras.backend.backend()
+    return (backend == "torch" and type(unit) is keras.layers.BatchNormalization and unit.trainable
+            and not getattr(unit, "renorm", False) and not getattr(unit, "synchronized", False)
+            and len(input_dtypes) == 1 and input_dtypes[0] != "float64")
+
+
+def _kernel_copy_bytes(unit) -> int:
+    """Keras' torch ``conv`` also copies a 2D/3D kernel to channels-last memory (in the compute dtype), and
+    autograd saves that copy with the input's (seen at the level-0 backward of a 3D U-Net: the copies of the
+    bottleneck's kernels, kept since the forward pass, 17 MiB of 143)."""
+    if not (is_keras_class(unit, {"Conv2D", "Conv3D"}) and runs_keras_kernel_call(unit)):
+        return 0
+    import numpy as np
+
+    kernel = getattr(unit, "kernel", None)
+    if kernel is None:
+        return 0
+    dtype = str(getattr(unit, "compute_dtype", None) or kernel.dtype).replace("bfloat16", "float16")
+    return int(np.prod(kernel.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def saved_extra_bytes(unit, input_bytes: int, output_bytes: int, backend: str | None = None) -> int:
+    """Bytes the framework saves for the call's backward besides its inputs and outputs.
+
+    On torch, Keras' channels-last convolutions save a copy of their input (Keras' ``conv`` makes it contiguous
+    channels-first, then channels-last again), max pooling a channels-first copy of its input and its indices,
+    normalization saves its centred input, and dropout its mask
+    (measured with benchmarks/torch_cpu_peak.py). In the plain model they live from the forward call to its
+    backward; keras-lms' recompute of an offloaded call re-creates them for its backward. TensorFlow's executed
+    graph is calibrated without such extras (its layout optimiser works on whole graphs).
     """
     backend = backend or keras.backend.backend()
     if backend != "torch":
         return 0
     if is_keras_class(unit, CONV_LAYERS | NORMALIZATION_LAYERS | DROPOUT_LAYERS):
-        return input_bytes
+        return input_bytes + _kernel_copy_bytes(unit)
     if is_keras_class(unit, MAX_POOLING_LAYERS):
-        return 2 * output_bytes  # int64 indices, one per (float32) output element
+        # Keras' torch max_pool copies its input to channels-first (saved), and the int64 indices, one per
+        # (float32) output element
+        return input_bytes + 2 * output_bytes
     return 0
 
 
@@ -191,8 +245,8 @@ def slab_halo(unit, rank: int) -> int | None:
       function): 0;
     * ``BatchNormalization`` over the last axis, without renorm or synchronisation: 0 (its batch statistics
       are global; the slab machinery computes them over all slabs);
-    * ``Conv1D/2D/3D`` running Keras' own ``call`` with ``padding="same"``, stride 1, channels last, an odd
-      kernel along the axis and an element-wise activation: ``dilation * (kernel - 1) // 2``.
+    * ``Conv1D/2D/3D`` running Keras' own ``call`` with ``padding="same"`` (or a 1x1 kernel), stride 1,
+      channels last, an odd kernel along the axis and an element-wise activation: ``dilation * (kernel - 1) // 2``.
     """
     from keras_lms import _keras_adapter as adapter
 
@@ -210,8 +264,9 @@ def slab_halo(unit, rank: int) -> int | None:
         return 0 if last and adapter.batchnorm_moments_hook(unit) else None
     if not (is_keras_class(unit, {"Conv1D", "Conv2D", "Conv3D"}) and runs_keras_kernel_call(unit)):
         return None
-    if (unit.padding != "same" or unit.data_format != "channels_last" or any(s != 1 for s in unit.strides)
-            or not _elementwise_activation(unit.activation) or unit.kernel_size[0] % 2 == 0):
+    pointwise = all(k == 1 for k in unit.kernel_size)  # "valid" and "same" agree for a 1x1 kernel
+    if ((unit.padding != "same" and not pointwise) or unit.data_format != "channels_last"
+            or any(s != 1 for s in unit.strides) or not _elementwise_activation(unit.activation) or unit.kernel_size[0] % 2 == 0):
         return None
     return unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
 

@@ -182,8 +182,8 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
 
     ``window_of(i, a, b, gate)`` returns input ``i``'s rows [a, b) on the device, cut after ``gate`` (a
     result of the slab before the previous one, or None); ``differentiate(windows, dy_inputs, dy_weights)``
-    recomputes the call on the windows and returns (input gradients of the windows, weight gradients) for the two upstream gradients (the same
-    tensor when the layer has no halo).
+    recomputes the call on the windows and returns (input gradients of the windows, weight gradients) for the
+    two upstream gradients (the same tensor when the layer has no halo).
     """
     pieces = [[] for _ in range(n_inputs)]
     weight_parts = [[] for _ in range(n_weights)]
