@@ -266,7 +266,8 @@ def slab_halo(unit, rank: int) -> int | None:
         return None
     pointwise = all(k == 1 for k in unit.kernel_size)  # "valid" and "same" agree for a 1x1 kernel
     if ((unit.padding != "same" and not pointwise) or unit.data_format != "channels_last"
-            or any(s != 1 for s in unit.strides) or not _elementwise_activation(unit.activation) or unit.kernel_size[0] % 2 == 0):
+            or any(s != 1 for s in unit.strides) or not _elementwise_activation(unit.activation)
+            or unit.kernel_size[0] % 2 == 0):
         return None
     return unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
 

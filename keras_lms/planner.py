@@ -123,7 +123,7 @@ def _tensors(calls, batch_size):
 
 def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, backend: str | None = None, unwrapped: bool = False,
-             update_bytes: int = 0) -> StepMemory:
+             update_bytes: int = 0, lean_normalization: bool = True) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     Calibrated against the graph TensorFlow executes (benchmarks/simulated_gpu_peak.py) and, on torch, against
@@ -131,6 +131,8 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     call holds. ``unwrapped=True`` models the model without keras-lms: on torch, Keras' functional model
     keeps every layer output until its forward pass returns (a wrapped model frees each after its last use).
     ``update_bytes`` are the optimizer update's temporaries (:func:`update_temporary_bytes`).
+    ``lean_normalization`` is ``LMSConfig.lean_normalization`` (on torch: offloaded BatchNormalization calls
+    are differentiated without recompute, ``layer_facts.lean_normalization_call``).
     """
     import keras
 
@@ -160,8 +162,10 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
             return positions - 1 - reader
         trigger = min(reader + prefetch, n - 1)
         # the copy back takes about as long as a short (memory-bound) backward: it lands during the trigger's
-        # backward only when that is a convolution/matmul, else after it
-        start = positions - 1 - trigger + (0 if _is_kernel(calls[trigger].unit) else arrival)
+        # backward only when that is a convolution/matmul, else after it. On torch its memory is allocated on
+        # the compute stream when the trigger's backward issues the copy.
+        late = 0 if backend == "torch" or _is_kernel(calls[trigger].unit) else arrival
+        start = positions - 1 - trigger + late
         return min(start, positions - 1 - reader)
 
     def hold(size, start, end):  # on the device from position start to end, inclusive
@@ -183,8 +187,9 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
                     reader = host_copy[key]
                     start = positions - reader if reader is not None else arrives(i)
                     hold(size, start, backward)
-                elif not (any(offloaded[i]) and _is_max_pooling(call.unit)):
-                    info[key][2] = max(info[key][2] or 0, backward)  # kept on the device for this backward
+                elif not (any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch")):
+                    # kept on the device for this backward (on torch an offloaded call recomputes its output)
+                    info[key][2] = max(info[key][2] or 0, backward)
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             entry = info.setdefault(key, [size, 0, None])  # a model input exists from the start
             last_use = backward if (reads_inputs and not off) else i  # else freed after its forward use
@@ -194,11 +199,23 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
         # (normalization; layout copies on torch), and the recomputed output of an offloaded call (max pooling
         # on TensorFlow, where other offloaded calls differentiate without their output; every one on torch)
-        recomputed = any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch")
-        grads = sum(sizes_in[i]) * (1 + backward_temporaries(call.unit, backend, recomputed)) + sum(sizes_out[i])
+        lean = (lean_normalization and any(offloaded[i])
+                and layer_facts.lean_normalization_call(call.unit, call.dtypes, backend))
+        recomputed = any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch") and not lean
+        in_grads = sum(sizes_in[i])
+        if backend == "torch" and layer_facts.is_keras_class(call.unit, {"Concatenate"}):
+            in_grads = 0  # torch's cat backward returns slices (views) of the output's gradient
+        grads = in_grads * (1 + backward_temporaries(call.unit, backend, recomputed, lean)) + sum(sizes_out[i])
         if recomputed:  # the output, recomputed from the inputs brought back
             grads += sum(sizes_out[i])
+            if backend == "torch":  # and what autograd saves in the recompute (see saved_extra_bytes)
+                grads += saved
+        if lean:  # one or two float32 slabs
+            grads += layer_facts.lean_normalization_temporary_bytes(call.shapes[0], call.dtypes[0], batch_size)
         hold(grads, backward, backward)
+    if backend == "torch":
+        _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold)
+        _release_pending_weight_gradients(calls, positions, hold)
     for size, start, end in info.values():
         end = n if end is None else end  # model outputs live until the loss's backward starts
         if unwrapped and backend == "torch":
@@ -209,6 +226,56 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         running += delta[pos]
         timeline.append(running)
     return StepMemory(static_bytes, timeline, update_bytes)
+
+
+def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold):
+    """Gradients that wait on the device between backward positions (torch's autograd engine).
+
+    A tensor read by several calls gets its gradient in parts: the first part arrives with the backward of its
+    last reader (in forward order) and waits in the producer's input buffer until the backward of its first
+    reader has added the last part; the sum then waits for the producer's backward. A U-Net skip tensor's
+    gradient arrives with the decoder's concatenation and waits through the whole lower part of the backward:
+    as a slice of the concatenation's output gradient, which it keeps alive whole. (Adjacent positions are
+    already counted as the gradients of each call's inputs and outputs.)
+    """
+    produced = {}  # key -> (producer index, bytes)
+    for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
+        for key, size in zip(keys, sizes):
+            produced[key] = (i, size)
+    readers = {}
+    for i, call in enumerate(calls):
+        for key in call.keys:
+            if key in produced and i not in readers.setdefault(key, []):
+                readers[key].append(i)
+    for key, calls_reading in readers.items():
+        producer, size = produced[key]
+        first, last = min(calls_reading), max(calls_reading)
+        if first != last:
+            part = size
+            if layer_facts.is_keras_class(calls[last].unit, {"Concatenate"}):
+                part = sum(sizes_out[last])
+            hold(part, positions - last, positions - 1 - first)
+        if first > producer + 1:  # the summed gradient, until the producer's backward
+            hold(size, positions - first, positions - 2 - producer)
+
+
+def _release_pending_weight_gradients(calls, positions, hold):
+    """Weight gradients not yet computed in the backward pass, taken off the timeline (torch).
+
+    ``static_bytes`` counts one gradient per trainable weight for the whole step. On torch that holds in the
+    forward pass (Keras' torch ``train_step`` calls ``zero_grad()``, which drops the previous step's gradients,
+    only after the forward pass) and during the optimizer update, but in the backward pass a weight's gradient
+    exists from the backward of its layer's last call (forward order) on. Negative holds for the backward
+    positions before that.
+    """
+    last_call = {}  # id(variable) -> (index of the unit's last call, bytes)
+    for i, call in enumerate(calls):
+        for var in getattr(call.unit, "trainable_variables", ()):
+            last_call[id(var)] = (i, variable_bytes([var]))
+    n = positions // 2
+    for i, size in last_call.values():
+        if i < n - 1:  # pending at the backward positions of calls n-1 .. i+1 (positions n .. 2n-2-i)
+            hold(-size, n, positions - 2 - i)
 
 
 def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0, update_bytes: int = 0) -> list:
@@ -231,7 +298,8 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
     """
     budget = config.device_budget
     none = [[False] * len(d.offload_tensor) for d in decisions]
-    plain = simulate(calls, none, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes)
+    plain = simulate(calls, none, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                     lean_normalization=config.lean_normalization)
     if plain.budget_bytes <= budget:
         log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
                  format_bytes(plain.budget_bytes), format_bytes(budget))
@@ -247,7 +315,8 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
     memory = plain
     for i in candidates:
         chosen[i] = list(decisions[i].offload_tensor)
-        memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes)
+        memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                          lean_normalization=config.lean_normalization)
         if memory.budget_bytes <= budget:
             break
     if memory.budget_bytes > budget:
