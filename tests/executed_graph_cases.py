@@ -4,7 +4,7 @@
 
 Writes, per case, the counts ``tests/test_executed_graph.py`` asserts on (see tests/executed_graph.py).
 Cases: three models (2D U-Net, ResNet-style, 3D U-Net) x {wrap() defaults, forced offload with prefetch
-0/1/2}, and two negative controls per model: the plain model, and the 0.1.0 mechanism rebuilt here (a host
+0/1/2}, the U-Nets with slabs (and the same without: the control), and two negative controls per model: the plain model, and the 0.1.0 mechanism rebuilt here (a host
 ``Identity`` swap-out, and a swap-in gated on the device side) with grappler's defaults and with its
 dependency optimiser off (then the swap-out survives, and the transfer back is shown to be ungated).
 """
@@ -47,6 +47,14 @@ CONFIGS = {
     "forced_prefetch1": dict(min_bytes=0, keep_last=0, prefetch=1),
     "forced_prefetch2": dict(min_bytes=0, keep_last=0, prefetch=2),
 }
+# Slabs (keras_lms/offload/tf_slabs.py): every full-resolution call of the U-Nets (2 MiB level-0 tensors) is cut
+# into 8 slabs; the control computes the same calls whole.
+SLAB_BYTES = 256 << 10
+SLAB_CONFIGS = {
+    "slabs": dict(min_bytes=0, keep_last=0, slab_bytes=SLAB_BYTES),
+    "slabs_off": dict(min_bytes=0, keep_last=0, slab_bytes=0),
+}
+SLAB_MODELS = ("unet2d", "unet3d")
 
 
 def _old_swap_in(self, host, trigger, device, index):
@@ -88,6 +96,10 @@ def counts(model, x, wrapped=None):
         "bypassed": sorted(step.bypassed(ACTIVATION_BYTES)),
         "transfers_back": len(step.transfers_back(ACTIVATION_BYTES)),
         "ungated": sorted(src for _, src in step.ungated_transfers(ACTIVATION_BYTES)),
+        # host copies sent back whole although larger than two slabs (a window is a slab plus halo rows)
+        "oversized_back": sorted(src for _, src in step.transfers_back(ACTIVATION_BYTES)
+                                 if (step.tensor_info(f"{src}:0") or eg.Tensor("", (), 0)).nbytes > 2 * SLAB_BYTES),
+        "slab_windows_back": sum("_rows" in src for _, src in step.transfers_back(ACTIVATION_BYTES)),
     }
 
 
@@ -100,6 +112,10 @@ def run_cases():
             model = build()
         results[f"{name}/plain"] = counts(model, x)
         for config_name, kwargs in CONFIGS.items():
+            with tf.device(eg.COMPUTE):
+                wrapped = keras_lms.wrap(model, **kwargs)
+            results[f"{name}/{config_name}"] = counts(model, x, wrapped)
+        for config_name, kwargs in SLAB_CONFIGS.items() if name in SLAB_MODELS else ():
             with tf.device(eg.COMPUTE):
                 wrapped = keras_lms.wrap(model, **kwargs)
             results[f"{name}/{config_name}"] = counts(model, x, wrapped)
@@ -120,4 +136,5 @@ if __name__ == "__main__":
         json.dump(out, f, indent=1)
     for case, c in out.items():
         print(f"{case:48s} offloaded={c['offloaded_calls']:3d} resident={len(c['device_resident_reads']):3d} "
-              f"bypassed={len(c['bypassed']):3d} back={c['transfers_back']:3d} ungated={len(c['ungated']):3d}")
+              f"bypassed={len(c['bypassed']):3d} back={c['transfers_back']:3d} ungated={len(c['ungated']):3d} "
+              f"oversized={len(c['oversized_back']):3d} slab windows={c['slab_windows_back']:3d}")

@@ -6,7 +6,8 @@ training step per case and counts, on the partitioned graph after grappler:
 
 * bypassed: tensors the wrapper sent to the host that a backward op on the compute device still reads there;
 * ungated: host copies sent back to the compute device by an op that does not wait for the backward pass;
-* device-resident reads: forward activations the backward reads on the compute device (any mechanism).
+* device-resident reads: forward activations the backward reads on the compute device (any mechanism);
+* with slabs: how many host copies come back as slab windows, and how many whole copies larger than two slabs.
 
 Negative controls in the same run: the plain model (activations read on the device), and the 0.1.0
 mechanism rebuilt in the cases module, whose host Identity grappler removes (bypassed) and whose copy back,
@@ -73,3 +74,18 @@ def test_negative_control_old_mechanism_is_bypassed_or_ungated(cases, model):
     assert len(old["bypassed"]) >= 3 and old["transfers_back"] == 0, old
     kept_identity = cases[f"{model}/old_mechanism_no_dependency_optimizer"]
     assert kept_identity["bypassed"] == [] and len(kept_identity["ungated"]) >= 3, kept_identity
+
+
+@pytest.mark.parametrize("model", ("unet2d", "unet3d"))
+def test_slabs_come_back_in_windows_gated_by_the_backward(cases, model):
+    """slab_bytes (tf_slabs): every full-resolution host copy comes back as slab-sized windows cut on the host,
+    each transfer waits for the backward pass and none is bypassed by grappler."""
+    slabs, control = cases[f"{model}/slabs"], cases[f"{model}/slabs_off"]
+    assert slabs["bypassed"] == [] and slabs["ungated"] == [], slabs
+    assert slabs["device_resident_reads"] == [], slabs["device_resident_reads"]
+    assert slabs["slab_windows_back"] >= 50, slabs
+    # Negative control: the same calls computed whole send their host copies back whole (the count can fail).
+    assert control["slab_windows_back"] == 0 and len(control["oversized_back"]) >= 8, control
+    assert len(slabs["oversized_back"]) <= 2, slabs["oversized_back"]  # 2D: two calls below the slab size
+    if model == "unet3d":
+        assert slabs["oversized_back"] == [], slabs["oversized_back"]
