@@ -160,6 +160,23 @@ def step_peak(model, x, y, gc_enabled: bool = True, warmup: bool = True) -> dict
                 d2h_copies=lms_torch.transfer_stats()["d2h_copies"])
 
 
+def first_step_bytes(model, x, y) -> int:
+    """What a new user counts: the live-storage peak of the *first* ``train_on_batch`` of a compiled model (host
+    copies forced by the caller, host buffers apart, GC off) plus the storages that exist before it: weights,
+    optimizer state if already built, and ``x`` and ``y`` (torch tensors). Compare with ``keras_lms.report(...)
+    .totals["predicted_peak_bytes_plain" / "_wrapped"]``."""
+    inner = getattr(model, "inner_model", model)
+    before = [v.value for v in inner.variables] + [x, y]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        before += [v.value for v in optimizer.variables]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in before}
+    lms_torch.clear_host_pool()
+    with tracking(gc_enabled=False) as tracker:
+        model.train_on_batch(x, y)
+    return sum(storages.values()) + tracker.peak
+
+
 # ---------------------------------------------------------------------------------------------- models
 def dense_chain(width=1024, layers=6):
     inp = keras.Input((width,))
