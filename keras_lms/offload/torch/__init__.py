@@ -28,7 +28,9 @@ For every offloaded layer call ``y = layer(x)`` (the contract of ``keras_lms.off
      offload;
    * calls whose inputs and weights need no gradient run plainly (autograd keeps nothing of them either).
    Convolutions are recomputed (unlike the TF back end, torch has no graph pruning that would skip the
-   forward convolution in the recompute).
+   forward convolution in the recompute). BatchNormalization calls with batch statistics are not (``lean_norm``,
+   ``LMSConfig.lean_normalization``): the forward keeps Keras' batch mean and variance, and the backward is the
+   batch-norm gradient from them, evaluated slab by slab without input-sized float32 temporaries.
 
 On a machine without CUDA nothing is copied: the "host copy" is the tensor itself (``CPU_HOST_COPIES = True``
 makes it a real copy into pool buffers, which the tests use). The recompute, its numerics and the scheduling
@@ -44,7 +46,8 @@ reference cycle until Python's cyclic collector runs; the forward pass and each 
 
 The modules: ``stats`` (transfer counters), ``pool`` (host buffer pool), ``transfer`` (copy streams, host copies,
 swap-ins, back-pressure), ``rng`` (RNG states for the recompute), ``function`` (the autograd Function and the
-per-call record), ``no_recompute`` (output-based gradients, plain structural layers), ``step`` (the step
+per-call record), ``no_recompute`` (output-based gradients, plain structural layers), ``lean_norm``
+(BatchNorm's backward from the forward's statistics), ``step`` (the step
 context and swap-in scheduling), ``tracing`` (the planning trace) and ``devices`` (host device, memory readings).
 This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the settings
 ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``, which ``transfer`` reads from here when it uses them.
