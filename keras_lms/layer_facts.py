@@ -173,6 +173,21 @@ def lean_normalization_temporary_bytes(input_shape, input_dtype, batch_size: int
     return copies * slab_rows * channels * 4
 
 
+def lean_convolution_call(unit, backend: str | None = None) -> bool:
+    """Whether the torch back end differentiates an offloaded call of ``unit`` without recomputing it
+    (keras_lms/offload/torch/lean_conv.py): Keras' own Conv2D/Conv3D ``call``, channels last, stride 1,
+    dilation 1, one group, ``"valid"`` or ``"same"`` padding with odd kernel sizes, a linear activation, no
+    LoRA. Its backward holds the input, a channels-last copy of the kernel, the gradients, and no recomputed
+    output or input copy."""
+    backend = backend or keras.backend.backend()
+    if backend != "torch" or type(unit) not in (keras.layers.Conv2D, keras.layers.Conv3D):
+        return False
+    same_ok = unit.padding == "valid" or (unit.padding == "same" and all(k % 2 for k in unit.kernel_size))
+    return (unit.data_format == "channels_last" and all(s == 1 for s in unit.strides)
+            and all(d == 1 for d in unit.dilation_rate) and getattr(unit, "groups", 1) == 1 and same_ok
+            and _activation_name(unit.activation) == "linear" and not getattr(unit, "lora_enabled", False))
+
+
 def lean_normalization_call(unit, input_dtypes, backend: str | None = None) -> bool:
     """Whether the torch back end differentiates an offloaded call of ``unit`` with its lean normalisation
     (keras_lms/offload/torch/lean_norm.py, ``LMSConfig.lean_normalization``): Keras' own BatchNormalization
@@ -186,7 +201,7 @@ def lean_normalization_call(unit, input_dtypes, backend: str | None = None) -> b
             and len(input_dtypes) == 1 and input_dtypes[0] != "float64")
 
 
-def _kernel_copy_bytes(unit) -> int:
+def kernel_copy_bytes(unit) -> int:
     """Keras' torch ``conv`` also copies a 2D/3D kernel to channels-last memory (in the compute dtype), and
     autograd saves that copy with the input's (seen at the level-0 backward of a 3D U-Net: the copies of the
     bottleneck's kernels, kept since the forward pass, 17 MiB of 143)."""
@@ -215,7 +230,7 @@ def saved_extra_bytes(unit, input_bytes: int, output_bytes: int, backend: str | 
     if backend != "torch":
         return 0
     if is_keras_class(unit, CONV_LAYERS | NORMALIZATION_LAYERS | DROPOUT_LAYERS):
-        return input_bytes + _kernel_copy_bytes(unit)
+        return input_bytes + kernel_copy_bytes(unit)
     if is_keras_class(unit, MAX_POOLING_LAYERS):
         # Keras' torch max_pool copies its input to channels-first (saved), and the int64 indices, one per
         # (float32) output element

@@ -201,11 +201,16 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         # on TensorFlow, where other offloaded calls differentiate without their output; every one on torch)
         lean = (lean_normalization and any(offloaded[i])
                 and layer_facts.lean_normalization_call(call.unit, call.dtypes, backend))
-        recomputed = any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch") and not lean
+        lean_conv = any(offloaded[i]) and layer_facts.lean_convolution_call(call.unit, backend)
+        recomputed = (any(offloaded[i]) and (_is_max_pooling(call.unit) or backend == "torch")
+                      and not (lean or lean_conv))
         in_grads = sum(sizes_in[i])
         if backend == "torch" and layer_facts.is_keras_class(call.unit, {"Concatenate"}):
             in_grads = 0  # torch's cat backward returns slices (views) of the output's gradient
-        grads = in_grads * (1 + backward_temporaries(call.unit, backend, recomputed, lean)) + sum(sizes_out[i])
+        temporaries = 0 if lean_conv else backward_temporaries(call.unit, backend, recomputed, lean)
+        grads = in_grads * (1 + temporaries) + sum(sizes_out[i])
+        if lean_conv:  # no recompute: the kernel's channels-last copy only
+            grads += layer_facts.kernel_copy_bytes(call.unit)
         if recomputed:  # the output, recomputed from the inputs brought back
             grads += sum(sizes_out[i])
             if backend == "torch":  # and what autograd saves in the recompute (see saved_extra_bytes)

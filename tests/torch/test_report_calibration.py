@@ -131,6 +131,7 @@ def new_user_counts():
                         old.setattr(planner, "_hold_waiting_gradients", lambda *args: None)
                         old.setattr(planner, "_release_pending_weight_gradients", lambda *args: None)
                         old.setattr(layer_facts, "lean_normalization_call", lambda *args, **kwargs: False)
+                        old.setattr(layer_facts, "lean_convolution_call", lambda *args, **kwargs: False)
                         row["report_wrapped_old"] = keras_lms.report(model, batch_size=shape[0]).totals[
                             "predicted_peak_bytes_wrapped"]
             out[name] = row
@@ -148,7 +149,7 @@ def test_report_predicts_what_a_new_user_counts_within_15_percent(new_user_count
 
 @pytest.mark.parametrize("case", sorted(NEW_USER_CASES))
 def test_negative_control_without_the_issue_19_terms_the_wrapped_report_misses(new_user_counts, case):
-    """Without the waiting gradients, the pending weight gradients and the lean BatchNorm backward, the wrapped
-    prediction is outside the tolerance (measured: +22% to +25%)."""
+    """Without the waiting gradients, the pending weight gradients and the lean BatchNorm and convolution
+    backward, the wrapped prediction is outside the tolerance (measured: +22% to +25% before lean convolutions)."""
     row = new_user_counts[case]
     assert abs(row["report_wrapped_old"] / row["wrapped"] - 1) > TOLERANCE, (row["report_wrapped_old"], row["wrapped"])

@@ -9,7 +9,7 @@ import torch
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
-from keras_lms.offload.torch import lean_norm
+from keras_lms.offload.torch import lean_conv, lean_norm
 from keras_lms.offload.torch.stats import count
 
 
@@ -61,6 +61,7 @@ class _CallRecord:
         self.rng = None  # torch's global RNG states before the forward call (unseeded Dropout draws from them)
         self.lean = False  # BatchNormalization: capture the batch statistics, differentiate with the fused kernel
         self.moments = None  # (mean, variance) of a lean BatchNormalization call's forward, else None
+        self.lean_conv = False  # a convolution differentiated without recompute (lean_conv)
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, flat):
@@ -122,6 +123,8 @@ class _CallRecord:
                 return [dx] + [None] * (self.n_inputs - 1) + [None] * len(self.trainable)
             if self.moments is not None:
                 return self._lean_vjp(grads)
+            if self.lean_conv:
+                return self._lean_conv_vjp(grads)
             return self._recompute_vjp(grads)
         finally:
             self.swaps = None
@@ -137,6 +140,16 @@ class _CallRecord:
             return [None] * (1 + len(self.trainable))
         count(lean_normalization_calls=1)
         dx, param_grads = lean_norm.backward(self.unit, x, grads[0], self.trainable, self.moments)
+        return [dx] + param_grads
+
+    def _lean_conv_vjp(self, grads):
+        """A convolution without the recompute: ``aten.convolution_backward`` on the swapped-in input."""
+        host, kept = self.hosts[0], self.kept[0]
+        x = kept if host is None else self.swaps[id(host)].get()
+        if grads[0] is None:
+            return [None] * (1 + len(self.trainable))
+        count(lean_convolution_calls=1)
+        dx, param_grads = lean_conv.backward(self.unit, x, grads[0], self.trainable, self.autocast)
         return [dx] + param_grads
 
     def _recompute_vjp(self, grads):

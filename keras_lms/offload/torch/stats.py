@@ -17,6 +17,7 @@ class TransferStats:
     shared_swap_ins: int = 0  # swap-ins served by a copy already on the device (no transfer)
     offloaded_calls: int = 0
     output_gradient_calls: int = 0
+    lean_convolution_calls: int = 0  # convolution backward passes without recompute (lean_conv)
     lean_normalization_calls: int = 0  # BatchNormalization backward passes taken by the fused kernel (lean_norm)
     plain_calls: int = 0
 

@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from keras_lms import _keras_adapter as adapter
 from keras_lms import policy
 from keras_lms.offload import common
-from keras_lms.offload.torch import lean_norm
+from keras_lms.offload.torch import lean_conv, lean_norm
 from keras_lms.offload.torch.devices import validate_host_device
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
@@ -110,6 +110,7 @@ class StepContext(common.InterceptingContext):
         record.transfer = self.transfer(next((t.device for t in tensors if t.is_cuda), tensors[0].device))
         if act_grad is None:
             record.lean = lean_norm.eligible(unit, self.config, tensors, kwargs)
+            record.lean_conv = lean_conv.eligible(unit, tensors)
             record.rng = _RngState.capture(tensors)
             for j, (t, off) in enumerate(zip(tensors, decision.offload_tensor)):
                 if off:
