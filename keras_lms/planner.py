@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from keras_lms import layer_facts, policy
+from keras_lms import layer_facts, policy, tf_step_memory
 from keras_lms.config import format_bytes
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def _tensors(calls, batch_size):
 
 def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, backend: str | None = None, unwrapped: bool = False,
-             update_bytes: int = 0, lean_normalization: bool = True) -> StepMemory:
+             update_bytes: int = 0, lean_normalization: bool = True, slab_bytes: int = 0) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     Calibrated against the graph TensorFlow executes (benchmarks/simulated_gpu_peak.py) and, on torch, against
@@ -133,6 +133,8 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     ``update_bytes`` are the optimizer update's temporaries (:func:`update_temporary_bytes`).
     ``lean_normalization`` is ``LMSConfig.lean_normalization`` (on torch: offloaded BatchNormalization calls
     are differentiated without recompute, ``layer_facts.lean_normalization_call``).
+    ``slab_bytes`` is ``LMSConfig.slab_bytes``: on TensorFlow, offloaded local calls larger than a slab are
+    computed in slabs (``keras_lms.tf_step_memory``, which also adds TensorFlow's forward temporaries).
     """
     import keras
 
@@ -142,10 +144,12 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
     if n == 0:
         return StepMemory(static_bytes, [], update_bytes)
     sizes_in, sizes_out, keys_out = _tensors(calls, batch_size)
+    slabs = tf_step_memory.slab_plans(calls, offloaded, batch_size, slab_bytes, backend)
+    elided = tf_step_memory.elided_concatenations(calls, slabs, batch_size)  # never built: its reader reads parts
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
-            info[key] = [size, i, None]
+            info[key] = [0 if i in elided else size, i, None]
     host_copy = {}  # key -> the first call (forward order) whose backward swaps the host copy back in
     for i, call in enumerate(calls):
         for key, off in zip(call.keys, offloaded[i]):
@@ -178,7 +182,7 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         saved = layer_facts.saved_extra_bytes(call.unit, sum(sizes_in[i]), sum(sizes_out[i]), backend)
         if saved and not any(offloaded[i]):
             hold(saved, i, backward)  # what autograd saves besides the inputs and outputs
-        if reads_output:
+        if reads_output and i not in slabs:  # a slab call reads windows of the output's host copy
             for key, size in zip(keys_out[i], sizes_out[i]):
                 if key in host_copy and _reads_output_host_copy(call.unit, backend):
                     # read from the consumer's host copy: the swap-in of its first reader (in forward order, so
@@ -193,8 +197,13 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             entry = info.setdefault(key, [size, 0, None])  # a model input exists from the start
             last_use = backward if (reads_inputs and not off) else i  # else freed after its forward use
+            if i in elided:  # a concatenation nobody builds: its newest part waits for the reader on the device,
+                # the older ones (a U-Net skip) are read from their host copies (tf_slabs), not from the device
+                if entry[1] < max(info[k][1] for k in call.keys if k in info):
+                    continue
+                last_use = elided[i]
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
-            if off and reads_inputs:  # swapped in for this call's backward, prefetch calls early
+            if off and reads_inputs and i not in slabs:  # swapped in for its backward, prefetch calls early
                 hold(size, arrives(i), backward)
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
         # (normalization; layout copies on torch), and the recomputed output of an offloaded call (max pooling
@@ -217,7 +226,13 @@ def simulate(calls, offloaded, batch_size: int = 1, prefetch: int = 1, static_by
                 grads += saved
         if lean:  # one or two float32 slabs
             grads += layer_facts.lean_normalization_temporary_bytes(call.shapes[0], call.dtypes[0], batch_size)
+        grads += tf_step_memory.normalization_float32_bytes(call, sizes_in[i], backend)
+        if i in slabs:
+            grads = tf_step_memory.slab_backward_bytes(call, sizes_in[i], sizes_out[i], slabs[i])
+        elif i in elided:
+            grads = 0  # no gradient reaches a concatenation nobody reads
         hold(grads, backward, backward)
+        hold(tf_step_memory.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i), backend), i, i)
     if backend == "torch":
         _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold)
         _release_pending_weight_gradients(calls, positions, hold)
@@ -304,7 +319,7 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
     budget = config.device_budget
     none = [[False] * len(d.offload_tensor) for d in decisions]
     plain = simulate(calls, none, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
-                     lean_normalization=config.lean_normalization)
+                     lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
     if plain.budget_bytes <= budget:
         log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
                  format_bytes(plain.budget_bytes), format_bytes(budget))
@@ -321,7 +336,7 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
     for i in candidates:
         chosen[i] = list(decisions[i].offload_tensor)
         memory = simulate(calls, chosen, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
-                          lean_normalization=config.lean_normalization)
+                          lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
         if memory.budget_bytes <= budget:
             break
     if memory.budget_bytes > budget:

@@ -269,7 +269,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     none = [[False] * len(row) for row in offloaded]
     plain = planner.simulate(calls, none, batch_size, config.prefetch, static, unwrapped=True, update_bytes=update)
     with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static, update_bytes=update,
-                                lean_normalization=config.lean_normalization)
+                                lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
                  output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,

@@ -92,6 +92,7 @@ class _CallRecord:
     output_key: object = None  # ref of the (first) output, to find the host copy a consumer made of it
     slabs: slabs.SlabPlan | None = None  # computed slab by slab (tf_slabs), or None: whole
     concatenated: bool = False  # the inputs are the parts of a channel concatenation the layer reads
+    sources: list = dataclasses.field(default_factory=list)  # refs of the forward input tensors (slab forward)
 
 
 class StepContext(common.InterceptingContext):
@@ -107,6 +108,7 @@ class StepContext(common.InterceptingContext):
         self.records = {}  # call index -> _CallRecord (offloaded calls only)
         self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
         self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
+        self.produced_at = {}  # tensor ref -> index of the call that produced it (graph mode)
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -134,7 +136,11 @@ class StepContext(common.InterceptingContext):
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
     def _note_concatenation(self, unit, tensors, outputs):
-        """Remember a channel concatenation's parts, so that a slab-computed consumer reads them instead."""
+        """Remember a channel concatenation's parts, so that a slab-computed consumer reads them instead, and
+        which call produced each output (a slab forward reads parts older than the newest from the host)."""
+        for out in tf.nest.flatten(outputs):
+            if isinstance(out, tf.Tensor):
+                self.produced_at[out.ref()] = self.index
         if (self.config.slab_bytes and type(unit) is keras.layers.Concatenate and isinstance(outputs, tf.Tensor)
                 and len(tensors) > 1 and adapter.get_mask(outputs) is None
                 and unit.axis % len(outputs.shape) == len(outputs.shape) - 1):
@@ -192,7 +198,7 @@ class StepContext(common.InterceptingContext):
             masks=masks, trainable=trainable, snapshot=snapshot,
             compute_device=next((t.device for t in tensors if t.device), None),
             kept_call=not decision.offloaded, autocast=adapter.current_autocast_dtype(),
-            slabs=plan, concatenated=concatenated,
+            slabs=plan, concatenated=concatenated, sources=[t.ref() for t in tensors] if concatenated else [],
         )
         self.records[index] = record
         forward = {}
@@ -202,7 +208,7 @@ class StepContext(common.InterceptingContext):
             xs, values = list(flat[:n]), list(flat[n:])
             for x, mask in zip(xs, masks):
                 adapter.set_mask(x, mask)
-            if plan is not None and (plan.moments or concatenated):
+            if plan is not None and (plan.moments or concatenated or slabs.computes_in_slabs_forward(unit)):
                 outputs, new_state, losses = self._slab_forward(record, xs, values)
             else:
                 call_args, call_kwargs = common.rebuild(template, positions, xs)
@@ -375,9 +381,18 @@ class StepContext(common.InterceptingContext):
             mean, variance = slabs.global_moments(xs[0], plan, axes, compute_dtype)
             record.moments.append((mean, variance, axes))
             moments = lambda x: (mean, variance)  # noqa: E731
-        output, new_state, losses = slabs.forward(
-            lambda windows: self._slab_call(record, windows, values, moments), xs, plan)
-        return output, new_state, losses
+        newest = max(range(len(xs)), key=lambda i: self.produced_at.get(record.sources[i], -1)
+                     if record.concatenated else 0)
+
+        def window_of(i, a, b, gate):
+            if record.concatenated and i != newest and record.hosts[i] is not None:
+                # an older part (a skip tensor): from its host copy, once the newest part exists
+                return self._host_window(record.hosts[i], a, b, [gate, xs[newest]], record, "fwd")
+            with _on_device(record.compute_device), slabs.gated([gate]):
+                return slabs.rows(xs[i], a, b)
+
+        return slabs.forward(lambda windows: self._slab_call(record, windows, values, moments), window_of, len(xs),
+                             plan)
 
     def _slab_window(self, record, i, a, b, gate, trigger):
         """Rows [a, b) of input ``i`` on the device: cut from its host copy on the host once ``trigger`` and
@@ -388,8 +403,8 @@ class StepContext(common.InterceptingContext):
                 return slabs.rows(record.kept[i], a, b)
         return self._host_window(host, a, b, [trigger, gate], record)
 
-    def _host_window(self, host, a, b, gates, record):
-        name = f"{SWAP_IN_NAME}_{record.index}_rows{a}"
+    def _host_window(self, host, a, b, gates, record, kind="bwd"):
+        name = f"{SWAP_IN_NAME}_{record.index}_{kind}_rows{a}"
         with tf.device(self.host), slabs.gated(gates):
             staged = _HOST_OP(slabs.rows(host, a, b), name=f"{name}_{HOST_STAGE_SUFFIX}")
         with _on_device(record.compute_device):

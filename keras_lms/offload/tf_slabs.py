@@ -10,7 +10,7 @@ the result being assembled.
 How, for a call ``y = f(x)`` of a layer that is local along axis 1 (``layer_facts.slab_halo``: output row i
 reads input rows i-h..i+h):
 
-* forward (BatchNormalization, or a convolution over a concatenation): ``y = concat_s f(x[s0-h : s1+h])``
+* forward (convolutions and BatchNormalization): ``y = concat_s f(x[s0-h : s1+h])``
   cropped to rows [s0, s1). BatchNormalization's batch statistics are computed first, over all slabs (a sum
   of per-slab sums, then of squared differences, as ``tf.nn.moments`` does in one go), and every slab is
   normalised with them through Keras' own ``call``;
@@ -24,7 +24,9 @@ reads input rows i-h..i+h):
   exactly as TensorFlow's own ``reduce_mean`` / ``squared_difference`` gradients do;
 * a convolution whose input is a channel concatenation (``StepContext.concat_parts``) takes the concatenated
   tensors as its inputs and concatenates only slab windows, so neither the concatenation nor its gradient is
-  ever whole on the device (TensorFlow prunes the unused concatenation).
+  ever whole on the device (TensorFlow prunes the unused concatenation). Its forward reads the parts made
+  earlier in the forward pass (a U-Net's skip tensor) from their host copies, window by window, once the
+  newest part exists: the skip tensor does not wait on the device through the lower levels.
 
 Slabs run one after another: each slab's slicing waits (control dependency) for the previous slab's piece, and
 its host-side cut for the piece of the slab before that, so at most two windows are on the device. Input gradients
@@ -103,6 +105,13 @@ def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int) -> SlabPlan | None:
     return SlabPlan(length, slab_bounds(length, count, stride), halo, moments, stride)
 
 
+def computes_in_slabs_forward(unit) -> bool:
+    """Whether a slab-planned call of ``unit`` also runs its forward in slabs: convolutions (grappler's layout
+    optimiser holds channels-first copies of their whole input and output on a GPU) and, always, calls with
+    BatchNorm statistics or concatenated inputs. Element-wise layers and pooling run whole (no temporaries)."""
+    return layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS)
+
+
 def rows(x, a, b):
     """Rows [a, b) of ``x`` along AXIS (a StridedSlice: a new, slab-sized buffer)."""
     return x[:, a:b]
@@ -148,15 +157,15 @@ def global_moments(x, plan: SlabPlan, axes, compute_dtype):
     return mean, tf.add_n(squares) / count
 
 
-def forward(run, xs, plan: SlabPlan):
+def forward(run, window_of, n_inputs: int, plan: SlabPlan):
     """``run(windows) -> (output, new_state, losses)`` over every slab; returns the cropped, concatenated
     output and the first slab's new state and losses (all slabs compute the same state from the same batch
-    statistics)."""
+    statistics). ``window_of(i, a, b, gate)`` gives input ``i``'s rows [a, b), cut after ``gate`` (the
+    previous slab's piece)."""
     pieces, first, prev = [], None, None
     for s0, s1 in plan.bounds:
         a, b = plan.forward_window(s0, s1)
-        with gated([prev]):
-            windows = [rows(x, a, b) for x in xs]
+        windows = [window_of(i, a, b, prev) for i in range(n_inputs)]
         output, new_state, losses = run(windows)
         piece = rows(output, s0 - a, s1 - a) if (a, b) != (s0, s1) else output
         pieces.append(piece)
