@@ -211,7 +211,7 @@ def cases(args):
                (2, 96, 96, 96, 1), {})
 
 
-def measure(name, build, shape, settings, forced=False, lean_normalization=True):
+def measure(name, build, shape, settings, forced=False, lean_normalization=True, gc_off_only=False):
     rng = np.random.default_rng(0)
     x = rng.random(shape).astype("float32")
     keras.utils.set_random_seed(0)
@@ -224,13 +224,19 @@ def measure(name, build, shape, settings, forced=False, lean_normalization=True)
     loss = "binary_crossentropy" if model.output.shape[-1] == 1 and len(shape) > 2 else "mse"
     model.compile(optimizer="adam", loss=loss)
     row = dict(model=name)
-    row["plain"] = step_peak(model, x, y)["peak"]
-    row["plain_nogc"] = step_peak(model, x, y, gc_enabled=False, warmup=False)["peak"]
+    if gc_off_only:  # one measured step per model (the GC-on column repeats the GC-off one)
+        row["plain"] = row["plain_nogc"] = step_peak(model, x, y, gc_enabled=False)["peak"]
+    else:
+        row["plain"] = step_peak(model, x, y)["peak"]
+        row["plain_nogc"] = step_peak(model, x, y, gc_enabled=False, warmup=False)["peak"]
     wrapped = keras_lms.wrap(model, **settings)
     wrapped.compile(optimizer="adam", loss=loss)
-    lms = step_peak(wrapped, x, y)
+    lms = step_peak(wrapped, x, y, gc_enabled=not gc_off_only)
     row["wrapped"], row["host"], row["d2h_copies"] = lms["peak"], lms["host_peak"], lms["d2h_copies"]
-    row["wrapped_nogc"] = step_peak(wrapped, x, y, gc_enabled=False, warmup=False)["peak"]
+    if gc_off_only:
+        row["wrapped_nogc"] = row["wrapped"]
+    else:
+        row["wrapped_nogc"] = step_peak(wrapped, x, y, gc_enabled=False, warmup=False)["peak"]
     rep = keras_lms.report(wrapped, batch_size=shape[0])
     row["report_plain"] = predicted_step_bytes(rep.plain, model)
     row["report_wrapped"] = predicted_step_bytes(rep.wrapped, model)
@@ -245,6 +251,8 @@ def main(argv=None):
     parser.add_argument("--dtype-policy", default="float32",
                         help="Keras dtype policy the models are built under, e.g. mixed_bfloat16 (default float32)")
     parser.add_argument("--only", default=None, help="measure only the models whose name contains this")
+    parser.add_argument("--gc-off-only", action="store_true",
+                        help="measure each model once, with the cyclic GC off (the normal-GC columns repeat it)")
     parser.add_argument("--no-lean-normalization", action="store_true",
                         help="wrap(lean_normalization=False): BatchNorm recomputed with Keras' ops (the 'before')")
     parser.add_argument("--keras-tree-cycles", action="store_true",
@@ -265,7 +273,7 @@ def main(argv=None):
         if args.only and args.only not in name:
             continue
         start = time.perf_counter()
-        r = measure(name, build, shape, settings, args.forced, not args.no_lean_normalization)
+        r = measure(name, build, shape, settings, args.forced, not args.no_lean_normalization, args.gc_off_only)
         rows.append(r)
         print(f"| {name} | {r['plain'] / MIB:.1f} MiB | {r['wrapped'] / MIB:.1f} MiB | {r['wrapped'] / r['plain']:.3f} "
               f"| {r['wrapped_nogc'] / MIB:.1f} MiB | {r['wrapped_nogc'] / r['plain_nogc']:.3f} "

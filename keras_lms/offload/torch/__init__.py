@@ -30,7 +30,9 @@ For every offloaded layer call ``y = layer(x)`` (the contract of ``keras_lms.off
    Convolutions are recomputed (unlike the TF back end, torch has no graph pruning that would skip the
    forward convolution in the recompute). BatchNormalization calls with batch statistics are not (``lean_norm``,
    ``LMSConfig.lean_normalization``): the forward keeps Keras' batch mean and variance, and the backward is the
-   batch-norm gradient from them, evaluated slab by slab without input-sized float32 temporaries.
+   batch-norm gradient from them, evaluated slab by slab without input-sized float32 temporaries. Conv2D/Conv3D
+   calls with a linear activation are not either (``lean_conv``): ``aten.convolution_backward`` on the
+   swapped-in input, bit-identical to autograd.
 
 On a machine without CUDA nothing is copied: the "host copy" is the tensor itself (``CPU_HOST_COPIES = True``
 makes it a real copy into pool buffers, which the tests use). The recompute, its numerics and the scheduling
@@ -47,7 +49,8 @@ reference cycle until Python's cyclic collector runs; the forward pass and each 
 The modules: ``stats`` (transfer counters), ``pool`` (host buffer pool), ``transfer`` (copy streams, host copies,
 swap-ins, back-pressure), ``rng`` (RNG states for the recompute), ``function`` (the autograd Function and the
 per-call record), ``no_recompute`` (output-based gradients, plain structural layers), ``lean_norm``
-(BatchNorm's backward from the forward's statistics), ``step`` (the step
+(BatchNorm's backward from the forward's statistics), ``lean_conv`` (a convolution's backward without
+recompute), ``step`` (the step
 context and swap-in scheduling), ``tracing`` (the planning trace) and ``devices`` (host device, memory readings).
 This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the settings
 ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``, which ``transfer`` reads from here when it uses them.
