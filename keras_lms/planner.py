@@ -308,7 +308,25 @@ def build_plan(calls, config, batch_size: int = 1, static_bytes: int = 0, update
     decisions = policy.decide_all(calls, config, batch_size)
     if config.device_budget is not None:
         decisions = fit_budget(calls, decisions, config, batch_size, static_bytes, update_bytes)
-    return policy.plan_entries(calls, decisions, batch_size)
+    return _note_slabs(calls, policy.plan_entries(calls, decisions, batch_size, config.slab_bytes), batch_size)
+
+
+def _note_slabs(calls, entries, batch_size: int) -> list:
+    """Say in each entry's reason when the call is computed in slabs (TensorFlow, ``LMSConfig.slab_bytes``)."""
+    import keras
+
+    backend = keras.backend.backend()
+    for i, entry in enumerate(entries):
+        offloaded = [[False] * len(e.tensor_offloaded) for e in entries]
+        offloaded[i] = list(entry.tensor_offloaded)
+        plan = tf_step_memory.slab_plans(calls, offloaded, batch_size, entry.slab_bytes, backend).get(i)
+        if plan is not None:
+            entry.reason += f"; computed in {plan.count} slabs of {format_bytes(entry.slab_bytes)} along axis 1"
+    return entries
+
+
+# The smallest slab the budget planner tries when the configured slab size does not fit device_budget.
+MIN_SLAB_BYTES = 16 << 20
 
 
 def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, update_bytes: int = 0):
@@ -339,6 +357,14 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
                           lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
         if memory.budget_bytes <= budget:
             break
+    slab_bytes = config.slab_bytes
+    while memory.budget_bytes > budget and slab_bytes // 2 >= MIN_SLAB_BYTES:
+        # Everything offloaded and still too large: smaller slabs hold smaller working sets (TensorFlow).
+        smaller = simulate(calls, chosen, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                           lean_normalization=config.lean_normalization, slab_bytes=slab_bytes // 2)
+        if smaller.budget_bytes >= memory.budget_bytes:
+            break
+        slab_bytes, memory = slab_bytes // 2, smaller
     if memory.budget_bytes > budget:
         sizes_out = _tensors(calls, batch_size)[1]
         largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
@@ -354,10 +380,14 @@ def fit_budget(calls, decisions, config, batch_size: int, static_bytes: int, upd
         )
     log.info("keras-lms: offloading %d of %d layer calls to fit device_budget %s (predicted peak %s).",
              sum(any(r) for r in chosen), n, format_bytes(budget), format_bytes(memory.budget_bytes))
+    if slab_bytes != config.slab_bytes:
+        log.info("keras-lms: slabs of %s instead of slab_bytes=%s to fit device_budget %s.",
+                 format_bytes(slab_bytes), format_bytes(config.slab_bytes), format_bytes(budget))
     out = []
     for i, d in enumerate(decisions):
         if any(chosen[i]):
-            out.append(policy.CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})"))
+            out.append(policy.CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})",
+                                           slab_bytes))
         elif d.offloaded:
             out.append(policy.CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
         else:

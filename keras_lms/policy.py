@@ -45,6 +45,7 @@ class PlanEntry:
     output_shapes: list = dataclasses.field(default_factory=list)
     output_bytes: int = 0
     tensor_offloaded: list = dataclasses.field(default_factory=list)
+    slab_bytes: int = 0  # the slab size of the TensorFlow slab machinery for this call (0: none)
 
     def __repr__(self) -> str:
         return f"PlanEntry({self.index}: {self.layer} [{self.layer_class}] {format_bytes(self.bytes)}, {self.reason})"
@@ -99,6 +100,7 @@ def check_selector_names(config: LMSConfig, known_names: set) -> None:
 class CallDecision:
     offload_tensor: list  # bool per input tensor
     reason: str
+    slab_bytes: int | None = None  # the slab size the call is computed with (None: the config's)
 
     @property
     def offloaded(self) -> bool:
@@ -159,8 +161,10 @@ def decide_all(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1)
     return decisions
 
 
-def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], batch_size: int = 1) -> list:
-    """One PlanEntry per call, in forward order, from the final decisions."""
+def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], batch_size: int = 1,
+                 slab_bytes: int = 0) -> list:
+    """One PlanEntry per call, in forward order, from the final decisions (``slab_bytes``: the config's, for
+    decisions that do not choose their own)."""
     entries, copied = [], set()
     for index, (call, decision) in enumerate(zip(calls, decisions)):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
@@ -182,6 +186,7 @@ def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], ba
             new_host_bytes=new_bytes, output_shapes=[tuple(s) for s in call.output_shapes],
             output_bytes=sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)),
             tensor_offloaded=list(decision.offload_tensor),
+            slab_bytes=slab_bytes if decision.slab_bytes is None else decision.slab_bytes,
         ))
     return entries
 

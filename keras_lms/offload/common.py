@@ -43,7 +43,7 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
     """
     entry = ctx.plan[index] if index < len(ctx.plan) else None
     if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(sizes):
-        return policy.CallDecision(list(entry.tensor_offloaded), entry.reason)
+        return policy.CallDecision(list(entry.tensor_offloaded), entry.reason, entry.slab_bytes)
     if not ctx.mismatch_warned:
         ctx.mismatch_warned = True
         log.warning(

@@ -153,16 +153,17 @@ class StepContext(common.InterceptingContext):
         instead (offloaded like the concatenation would have been), see tf_slabs.
         """
         offload = list(decision.offload_tensor)
-        if self.eager or any(adapter.get_mask(t) is not None for t in tensors):
+        slab_bytes = self.config.slab_bytes if decision.slab_bytes is None else decision.slab_bytes
+        if self.eager or not slab_bytes or any(adapter.get_mask(t) is not None for t in tensors):
             return None, tensors, offload, False
         parts = self.concat_parts.get(tensors[0].ref()) if len(tensors) == 1 else None
         if parts is not None and decision.offloaded and not isinstance(unit, keras.layers.BatchNormalization):
             plan = slabs.plan_slabs(unit, [list(p.shape) for p in parts], sum(self.tensor_bytes(p) for p in parts),
-                                    self.config.slab_bytes)
+                                    slab_bytes)
             if plan is not None:
                 return plan, list(parts), offload * len(parts), True
         plan = slabs.plan_slabs(unit, [list(t.shape) for t in tensors], sum(self.tensor_bytes(t) for t in tensors),
-                                self.config.slab_bytes)
+                                slab_bytes)
         return plan, tensors, offload, False
 
     def swap_out(self, tensor):
