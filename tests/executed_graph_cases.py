@@ -4,7 +4,8 @@
 
 Writes, per case, the counts ``tests/test_executed_graph.py`` asserts on (see tests/executed_graph.py).
 Cases: three models (2D U-Net, ResNet-style, 3D U-Net) x {wrap() defaults, forced offload with prefetch
-0/1/2}, the U-Nets with slabs (and the same without: the control), and two negative controls per model: the plain model, and the 0.1.0 mechanism rebuilt here (a host
+0/1/2}, the U-Nets with slabs (and the same without: the control), and two negative controls per model: the
+plain model, and the 0.1.0 mechanism rebuilt here (a host
 ``Identity`` swap-out, and a swap-in gated on the device side) with grappler's defaults and with its
 dependency optimiser off (then the swap-out survives, and the transfer back is shown to be ungated).
 """
