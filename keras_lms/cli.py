@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError, MemoryError) as err:
-        print(f"keras-lms: {err}", file=sys.stderr)
+        verdict = "does not fit: " if type(err).__name__ == "BudgetError" else ""
+        print(f"keras-lms: {verdict}{err}", file=sys.stderr)
         return 2
 
 

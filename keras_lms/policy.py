@@ -172,7 +172,8 @@ def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], ba
         reads = layer_facts.backward_reads(call.unit)[0]
         if decision.offloaded and not reads:
             decision = CallDecision(decision.offload_tensor,
-                                    "offloaded: backward reads no inputs (output host copy or shapes only)")
+                                    "offloaded: backward reads no inputs (output host copy or shapes only)",
+                                    decision.slab_bytes)
         offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off) if reads else 0
         new_bytes = 0
         for key, size, off in zip(call.keys, sizes, decision.offload_tensor):

@@ -33,7 +33,9 @@ class ActivationReport:
         totals: a dict with `device_activation_bytes_plain` and `device_activation_bytes_wrapped` (activations
             kept on the device for the backward pass), `host_bytes_per_step`, `transfer_bytes_per_step`,
             `transfer_seconds_per_step`, `static_bytes` (weights, gradients and optimizer state),
-            `predicted_peak_bytes_plain`, `predicted_peak_bytes_wrapped`, and `device_budget` when one is set.
+            `predicted_peak_bytes_plain`, `predicted_peak_bytes_wrapped`, and, when a budget is set,
+            `device_budget`, `budget_peak_bytes` (the wrapped peak with the planner's margin) and
+            `fits_device_budget`.
         plain: the simulated device-memory timeline of the plain step (`keras_lms.planner.StepMemory`).
         wrapped: the same with LMS.
         device_budget: the budget the plan was made for, or `None`.
@@ -116,6 +118,9 @@ class ActivationReport:
         summary.add_row(f"transfer time at {self.link_gbps:g} GB/s", f"{t['transfer_seconds_per_step'] * 1e3:.1f} ms")
         if self.device_budget is not None:
             summary.add_row("device budget", format_bytes(self.device_budget))
+            verdict = "yes" if t["fits_device_budget"] else "no"
+            summary.add_row("fits the device budget", f"{verdict} ({format_bytes(t['budget_peak_bytes'])} with the "
+                                                      "planner's margin)")
         buffer = io.StringIO()
         console = Console(file=buffer, width=150, force_terminal=False, color_system=None)
         console.print(table)
@@ -268,8 +273,10 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     offloaded = [list(e.tensor_offloaded) for e in plan]
     none = [[False] * len(row) for row in offloaded]
     plain = planner.simulate(calls, none, batch_size, config.prefetch, static, unwrapped=True, update_bytes=update)
+    # the budget planner may have chosen smaller slabs than the config's (planner.fit_budget)
+    slab_bytes = min((e.slab_bytes for e in plan if e.offloaded), default=config.slab_bytes)
     with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static, update_bytes=update,
-                                lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
+                                lean_normalization=config.lean_normalization, slab_bytes=slab_bytes)
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
                  output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,
@@ -289,6 +296,8 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     )
     if config.device_budget is not None:
         totals["device_budget"] = config.device_budget
+        totals["budget_peak_bytes"] = with_lms.budget_bytes  # the peak with planner.BUDGET_MARGIN
+        totals["fits_device_budget"] = with_lms.budget_bytes <= config.device_budget
     return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget)
 
 
