@@ -298,12 +298,15 @@ def largest_cube(batch: int, wrap_kwargs, log, start: int = 64) -> tuple:
     return low, peaks
 
 
-def max_cube(batch: int, forced: bool, log) -> list:
-    """Largest cube per run (plain, wrapped[, forced]) as dicts: run, edge, peak bytes, voxels."""
+def max_cube(batch: int, forced: bool, log, runs=None, start: int = 64) -> list:
+    """Largest cube per run (plain, wrapped[, forced]; ``runs`` selects some) as dicts: run, edge, peak bytes,
+    voxels. ``start`` is the first edge tried (a multiple of CUBE_STEP)."""
     rows = []
     for run, kwargs in {"plain": None, **wrap_variants(forced)}.items():
+        if runs and run not in runs:
+            continue
         log(f"{run}:")
-        edge, peaks = largest_cube(batch, kwargs, log)
+        edge, peaks = largest_cube(batch, kwargs, log, start)
         rows.append(dict(run=run, edge=edge, peak_bytes=peaks.get(edge, 0), voxels=edge**3, tried=peaks))
     return rows
 
@@ -314,7 +317,7 @@ def max_cube_table(rows, batch: int) -> Table:
                         f"{keras.mixed_precision.global_policy().name}")
     for column in ("run", "largest edge", "simulated peak GiB", "voxels", "voxel ratio vs plain"):
         table.add_column(column, justify="left" if column == "run" else "right")
-    plain = rows[0]["voxels"]
+    plain = next((r["voxels"] for r in rows if r["run"] == "plain"), 0)
     for r in rows:
         table.add_row(r["run"], str(r["edge"]), f"{r['peak_bytes'] / GIB:.2f}", f"{r['voxels']:,}",
                       f"{r['voxels'] / plain:.2f}" if plain else "-")
@@ -325,7 +328,7 @@ def max_cube_table(rows, batch: int) -> Table:
 def run(args, console, log) -> dict:
     """The selected mode; returns its results for --json."""
     if args.max_cube:
-        rows = max_cube(args.batch, args.forced, log)
+        rows = max_cube(args.batch, args.forced, log, args.runs.split(",") if args.runs else None, args.start)
         console.print(max_cube_table(rows, args.batch))
         return {"max_cube": [{**r, "tried": {str(k): v for k, v in r["tried"].items()}} for r in rows],
                 "batch": args.batch, "gpu_memory": GPU_MEMORY, "dtype_policy": args.dtype_policy}
@@ -354,6 +357,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-cube", action="store_true",
                         help="largest 3D U-Net cube that fits 16 GiB, plain vs wrapped")
     parser.add_argument("--batch", type=int, default=1, help="batch size for --max-cube (default 1)")
+    parser.add_argument("--runs", default=None, help="--max-cube: only these runs, e.g. wrapped or plain,wrapped")
+    parser.add_argument("--start", type=int, default=64, help="--max-cube: first edge tried (default 64)")
     parser.add_argument("--dtype-policy", default="float32",
                         help="Keras dtype policy of every model, plain and wrapped, e.g. mixed_float16 (default "
                              "float32); the loss is computed in float32 either way")
