@@ -30,6 +30,8 @@ class PlanEntry:
             calls is copied once; ``new_host_bytes`` counts it only at its first offloading call).
         output_shapes / output_bytes: the call's outputs, for the activation report.
         reason: why, in words.
+        slab_bytes: on TensorFlow, the slab size an offloaded local call is computed with when its inputs are
+            larger (``LMSConfig.slab_bytes``, or smaller when the budget planner chose so); 0: none.
     """
 
     index: int
