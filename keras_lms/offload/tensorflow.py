@@ -93,6 +93,7 @@ class _CallRecord:
     slabs: slabs.SlabPlan | None = None  # computed slab by slab (tf_slabs), or None: whole
     concatenated: bool = False  # the inputs are the parts of a channel concatenation the layer reads
     sources: list = dataclasses.field(default_factory=list)  # refs of the forward input tensors (slab forward)
+    moment_count: tf.Tensor | None = None  # values per channel behind a slab BatchNorm's statistics
 
 
 class StepContext(common.InterceptingContext):
@@ -379,8 +380,9 @@ class StepContext(common.InterceptingContext):
         if plan.moments:
             compute_dtype = keras.backend.result_type(xs[0].dtype.name, "float32")
             axes = adapter.batchnorm_reduction_axes(record.unit, xs[0])
-            mean, variance = slabs.global_moments(xs[0], plan, axes, compute_dtype)
+            mean, variance, count = slabs.global_moments(xs[0], plan, axes, compute_dtype)
             record.moments.append((mean, variance, axes))
+            record.moment_count = count
             moments = lambda x: (mean, variance)  # noqa: E731
         newest = max(range(len(xs)), key=lambda i: self.produced_at.get(record.sources[i], -1)
                      if record.concatenated else 0)
@@ -432,7 +434,7 @@ class StepContext(common.InterceptingContext):
         weights = list(record.trainable) + foreign
         moments = None
         if plan.moments:
-            if len(record.moments) != 1:
+            if len(record.moments) != 1 or record.moment_count is None:
                 return None
             moments = self._slab_moment_gradients(record, dy, trigger)
 
@@ -475,8 +477,7 @@ class StepContext(common.InterceptingContext):
         _, (d_mean, d_variance) = slabs.backward(
             record.slabs, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate, trigger),
             differentiate, 1, 2)
-        x = record.hosts[0] if record.hosts[0] is not None else record.kept[0]
-        return _TotalMoments(mean, variance, axes, d_mean, d_variance, x.shape)
+        return _TotalMoments(mean, variance, d_mean, d_variance, record.moment_count)
 
 
 @contextlib.contextmanager
@@ -581,12 +582,9 @@ class _TotalMoments:
     variance (summed over slabs in the first pass) sends there, computed as TensorFlow's gradients of
     ``reduce_mean`` (d_mean / n, broadcast) and ``squared_difference`` (2 * d_variance / n * (x - mean)) do."""
 
-    def __init__(self, mean, variance, axes, d_mean, d_variance, full_shape):
-        self.mean, self.variance, self.axes = mean, variance, list(axes)
+    def __init__(self, mean, variance, d_mean, d_variance, count):
+        self.mean, self.variance, self.count = mean, variance, count
         self.d_mean, self.d_variance = d_mean, d_variance
-        self.count = 1
-        for axis in self.axes:
-            self.count *= int(full_shape[axis])
         self.gate = d_mean  # the second pass starts once the first has finished
 
     def __call__(self, x):
@@ -595,7 +593,7 @@ class _TotalMoments:
         @tf.custom_gradient
         def statistics(x):
             def grad(unused_d_mean, unused_d_variance):
-                factor = tf.cast(count, x.dtype)
+                factor = tf.cast(count, x.dtype)  # the forward's count, in the forward's compute dtype
                 from_mean = d_mean / factor
                 from_variance = tf.math.scalar_mul(2.0, d_variance / factor) * (x - mean)
                 return from_mean + from_variance

@@ -136,11 +136,10 @@ def global_moments(x, plan: SlabPlan, axes, compute_dtype):
     """Batch mean and (biased) variance of ``x`` over ``axes``, slab by slab: ``tf.nn.moments`` in two passes.
 
     Returns (mean, variance) of shape [channels], in ``compute_dtype`` (float32 for float16 inputs, as Keras'
-    BatchNormalization casts before its moments).
+    BatchNormalization casts before its moments), and the number of values per channel (a tensor: the batch
+    axis may be unknown when the step is traced).
     """
-    count = 1
-    for axis in axes:
-        count *= x.shape[axis]
+    count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), list(axes))), compute_dtype)
     sums, prev = [], None
     for s0, s1 in plan.bounds:
         with gated([prev]):
@@ -154,7 +153,7 @@ def global_moments(x, plan: SlabPlan, axes, compute_dtype):
             part = tf.reduce_sum(tf.math.squared_difference(tf.cast(rows(x, s0, s1), compute_dtype), mean), axes)
         squares.append(part)
         prev = part
-    return mean, tf.add_n(squares) / count
+    return mean, tf.add_n(squares) / count, count
 
 
 def forward(run, window_of, n_inputs: int, plan: SlabPlan):
