@@ -161,7 +161,7 @@ LEAN_SLAB_ROWS = 1 << 14
 
 def lean_normalization_temporary_bytes(input_shape, input_dtype, batch_size: int = 1) -> int:
     """Bytes of the torch lean normalisation's temporaries for an input of ``input_shape`` (the batch axis
-    None or ``batch_size``), channels last: one float32 slab, two when the input is narrower (the slab is
+    None or ``batch_size``), channels last: two float32 slabs, three when the input is narrower (the slab is
     cast first)."""
     dims = [batch_size if d is None else int(d) for d in input_shape]
     channels = max(dims[-1], 1)
@@ -169,7 +169,7 @@ def lean_normalization_temporary_bytes(input_shape, input_dtype, batch_size: int
     for d in dims[:-1]:
         rows *= d
     slab_rows = min(rows, max(LEAN_SLAB_ROWS, -(-rows // LEAN_SLABS)))
-    copies = 1 if str(input_dtype) in ("float32", "float64") else 2
+    copies = 2 if str(input_dtype) in ("float32", "float64") else 3
     return copies * slab_rows * channels * 4
 
 

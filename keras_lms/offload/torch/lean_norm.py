@@ -87,54 +87,68 @@ def backward(unit, x, dy, trainable, moments):
 
     ``trainable`` are the values of ``unit.trainable_variables`` the forward used, ``moments`` the batch
     statistics it computed (Keras computes them in ``result_type(x.dtype, float32)``, float32 on torch even
-    for float64 inputs, and normalises in that dtype with gamma cast to it; so does this). With
-    ``xmu = x - mean``, ``n`` positions per channel and ``k = gamma * invstd``:
+    for float64 inputs, and normalises in that dtype with gamma cast to it; so does this).
 
-        dbeta = sum(dy);  dot = sum(dy * xmu);  dgamma = dot * invstd
-        dx = k * (dy - dbeta / n - xmu * invstd**2 * dot / n)
+    The operations are those torch's autograd runs for Keras' ops (``keras.ops.moments``:
+    ``var = mean(x**2) - mean**2``; ``keras.ops.batch_normalization``: ``(x - mean) * (rsqrt(var + eps) *
+    gamma) + beta``), in the order its engine runs them, with ``c = x - mean``, ``r = rsqrt(var + eps)``,
+    ``s = r * gamma`` and ``n`` positions per channel::
 
-    the gradient torch's ``native_batch_norm_backward`` computes (from the saved mean and invstd), evaluated
-    slab by slab (:func:`_slabs`) with torch's own (pairwise) reductions: the temporaries are slab-sized and
-    in the compute dtype, the result is written into one tensor of ``x``'s dtype and layout. (torch's CPU
-    kernel for channels-last inputs accumulates each channel's sums sequentially: measured 9e-6 relative
-    error in dgamma at 2x64^3x16 against 5e-7 for Keras' own ops, which would exceed the 1e-5 tolerance.)
+        dbeta = sum(dy);  ds = sum(dy * c);  dgamma = ds * r
+        dvar = -0.5 * (ds * gamma) * r**3;  dmean = sum(-(dy * s)) + (-dvar) * (2 * mean)
+        dx = (dy * s + (dvar / n) * (2 * x)) + dmean / n
+
+    but per-channel quantities are computed once and the input-sized ones slab by slab (:func:`_slabs`):
+    the temporaries are slab-sized, in the compute dtype, and the result is written into one tensor of ``x``'s
+    dtype and layout. With one slab (inputs up to ``SLAB_ROWS`` positions) the sums are the same reductions as
+    autograd's and the result is bit-identical to it (tests/torch/test_lean_normalization.py); with several,
+    the sums are added slab by slab (float32 rounding). torch's fused ``native_batch_norm_backward`` was tried
+    first: another formula (1e-7 relative per call, 1.2e-5 on MobileNetV2's first BatchNorm after 52 more, above
+    the zoo's 1e-5), and on the CPU its channels-last kernel sums each channel sequentially (9e-6 in dgamma at
+    2x64^3x16).
     """
     mean, variance = moments
     compute = mean.dtype
-    variables = list(unit.trainable_variables)
     gamma = beta = None
-    for var, value in zip(variables, trainable):
+    for var, value in zip(unit.trainable_variables, trainable):
         if unit.scale and var is unit.gamma:
             gamma = value
         elif unit.center and var is unit.beta:
             beta = value
     axis = unit.axis % x.ndim
-    if dy.dtype != x.dtype:
-        dy = dy.to(x.dtype)
-    invstd = variance.add(unit.epsilon).rsqrt_()  # as keras.ops.batch_normalization computes it
-    reduce_axes = tuple(range(x.ndim - 1))
+    r = variance.add(unit.epsilon).rsqrt_()  # as keras.ops.batch_normalization computes it
+    g = torch.ones_like(variance) if gamma is None else gamma.to(compute)
+    s = r.mul(g)
     dx = torch.empty_like(x)
     slabs = _slabs([x, dy, dx], axis)
+    rows = tuple(range(x.ndim - 1))
     sum_dy = torch.zeros_like(mean)
-    dot = torch.zeros_like(mean)
+    ds = torch.zeros_like(mean)
+    sum_grad_c = torch.zeros_like(mean)
     for xs, dys, _ in slabs:
-        sum_dy += dys.sum(reduce_axes[:dys.ndim - 1], dtype=compute)
-        xmu = xs.to(compute) - mean
-        dot += xmu.mul_(dys).sum(reduce_axes[:dys.ndim - 1])
-        del xmu
+        axes = rows[:dys.ndim - 1]
+        dy32 = dys.to(compute)
+        sum_dy += dy32.sum(axes)
+        c = xs.to(compute) - mean
+        ds += c.mul_(dy32).sum(axes)  # autograd: (dy * c), summed to gamma's shape
+        del c
+        sum_grad_c += dy32.mul(s).neg_().sum(axes)  # sum(-(dy * s))
+        del dy32
+    dgamma = ds.mul(r)
+    dvar = ds.mul(g).mul(-0.5).mul(r.pow(3))  # rsqrt's backward: -0.5 * grad * result**3
+    dmean = sum_grad_c + dvar.neg().mul(mean.mul(2))  # pow's backward: grad * (2 * mean)
     n = x.numel() // mean.numel()
-    scale = invstd if gamma is None else invstd * gamma.to(compute)
-    proj = invstd * invstd * dot / n  # the part of dy along xmu, per unit of xmu
-    mean_dy = sum_dy / n
+    k_sq = dvar / n  # mean's backward: grad / n
+    k_mean = dmean / n
     for xs, dys, dxs in slabs:
-        t = xs.to(compute) - mean
-        t.mul_(proj).neg_().add_(dys).sub_(mean_dy).mul_(scale)
+        t = xs.to(compute).mul(2).mul_(k_sq)
+        t = dys.to(compute).mul(s).add_(t).add_(k_mean)
         dxs.copy_(t)
         del t
     grads = []
     for value in trainable:
         if value is gamma and gamma is not None:
-            grads.append((dot * invstd).to(value.dtype))
+            grads.append(dgamma.to(value.dtype))
         elif value is beta and beta is not None:
             grads.append(sum_dy.to(value.dtype))
         else:
