@@ -79,12 +79,40 @@ def old_mechanism():
 
 
 @contextlib.contextmanager
+def forward_windows_ungated():
+    """Negative control for the slab forward: cut the skip's windows without waiting for the newest part."""
+    original = tf_offload.StepContext._host_window
+
+    def ungated(self, host, a, b, gates, record, kind="bwd"):
+        return original(self, host, a, b, gates if kind != "fwd" else [], record, kind)
+
+    tf_offload.StepContext._host_window = ungated
+    try:
+        yield
+    finally:
+        tf_offload.StepContext._host_window = original
+
+
+@contextlib.contextmanager
 def dependency_optimizer_off():
     tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
     try:
         yield
     finally:
         tf.config.optimizer.set_experimental_options({"dependency_optimization": True})
+
+
+def _gated(step, name):
+    """Whether host node ``name`` or the ops that cut its window (its data inputs and theirs: the slice and its
+    begin/end constants, where grappler moves the control input) wait on a control input: the wait for the
+    newest part of the concatenation. A ``_Recv``'s link to its ``_Send`` does not count."""
+    nodes, frontier = {name}, [name]
+    for _ in range(2):
+        frontier = [parent for node in frontier for tensor, parent in step.parents.get(node, [])
+                    if tensor is not None and parent in step.nodes]
+        nodes.update(frontier)
+    return any(tensor is None for node in nodes if step.nodes[node].op != "_Recv"
+               for tensor, _ in step.parents.get(node, []))
 
 
 def counts(model, x, wrapped=None):
@@ -96,7 +124,12 @@ def counts(model, x, wrapped=None):
         "device_resident_reads": sorted(step.device_resident_reads(ACTIVATION_BYTES)),
         "bypassed": sorted(step.bypassed(ACTIVATION_BYTES)),
         "transfers_back": len(step.transfers_back(ACTIVATION_BYTES)),
-        "ungated": sorted(src for _, src in step.ungated_transfers(ACTIVATION_BYTES)),
+        # A slab forward reads a concatenation's older part (a U-Net skip) from its host copy on purpose: those
+        # windows ("_fwd_rows") are gated on the newest part instead of the backward pass (forward_windows).
+        "ungated": sorted(src for _, src in step.ungated_transfers(ACTIVATION_BYTES) if "_fwd_rows" not in src),
+        "forward_windows": sorted(src for _, src in step.transfers_back(ACTIVATION_BYTES) if "_fwd_rows" in src),
+        "forward_windows_without_gate": sorted(
+            src for _, src in step.transfers_back(ACTIVATION_BYTES) if "_fwd_rows" in src and not _gated(step, src)),
         # host copies sent back whole although larger than two slabs (a window is a slab plus halo rows)
         "oversized_back": sorted(src for _, src in step.transfers_back(ACTIVATION_BYTES)
                                  if (step.tensor_info(f"{src}:0") or eg.Tensor("", (), 0)).nbytes > 2 * SLAB_BYTES),
@@ -120,6 +153,11 @@ def run_cases():
             with tf.device(eg.COMPUTE):
                 wrapped = keras_lms.wrap(model, **kwargs)
             results[f"{name}/{config_name}"] = counts(model, x, wrapped)
+        if name in SLAB_MODELS:
+            with forward_windows_ungated():
+                with tf.device(eg.COMPUTE):
+                    wrapped = keras_lms.wrap(model, **SLAB_CONFIGS["slabs"])
+                results[f"{name}/slabs_forward_ungated"] = counts(model, x, wrapped)
         with old_mechanism():
             with tf.device(eg.COMPUTE):
                 wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)

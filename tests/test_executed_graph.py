@@ -87,5 +87,12 @@ def test_slabs_come_back_in_windows_gated_by_the_backward(cases, model):
     # Negative control: the same calls computed whole send their host copies back whole (the count can fail).
     assert control["slab_windows_back"] == 0 and len(control["oversized_back"]) >= 8, control
     assert len(slabs["oversized_back"]) <= 2, slabs["oversized_back"]  # 2D: two calls below the slab size
+    # The decoder reads the skip's windows from the host in the forward pass, each cut once the newest part of
+    # the concatenation exists (a control input of the host cut), not before.
+    assert len(slabs["forward_windows"]) >= 4 and slabs["forward_windows_without_gate"] == [], slabs
+    assert control["forward_windows"] == [], control
+    # Negative control: the same windows cut without that wait are caught.
+    ungated = cases[f"{model}/slabs_forward_ungated"]
+    assert len(ungated["forward_windows_without_gate"]) == len(ungated["forward_windows"]) >= 4, ungated
     if model == "unet3d":
         assert slabs["oversized_back"] == [], slabs["oversized_back"]
