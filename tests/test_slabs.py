@@ -36,10 +36,10 @@ def slab_spy(monkeypatch):
     seen = collections.Counter()
     forward, backward, moments = tf_slabs.forward, tf_slabs.backward, tf_slabs.global_moments
 
-    def spy_forward(run, xs, plan):
+    def spy_forward(run, window_of, n_inputs, plan):
         seen["forward"] += 1
-        seen["forward_inputs_%d" % len(xs)] += 1
-        return forward(run, xs, plan)
+        seen["forward_inputs_%d" % n_inputs] += 1
+        return forward(run, window_of, n_inputs, plan)
 
     def spy_backward(plan, dy, window_of, differentiate, n_inputs, n_weights):
         seen["backward"] += 1
