@@ -42,10 +42,9 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
         device_budget: `None`, or bytes / a size string such as `"6GiB"`: offload only what the predicted
             training step needs to fit the budget (largest, longest-lived tensors first; nothing when it fits
             anyway). Defaults to `None`.
-        lean_normalization: differentiate offloaded BatchNormalization calls with the framework's fused
-            batch-norm gradient kernel from the forward's batch statistics (no recompute, no input-sized float32
-            temporaries); equal to the plain gradient up to rounding. `False`: bit-identical recompute. Defaults
-            to `True`.
+        lean_normalization: torch back end: differentiate offloaded BatchNormalization calls from the forward's
+            batch statistics, slab by slab, without recomputing them (see `LMSConfig`); `False` recomputes.
+            On TensorFlow `slab_bytes` does this job. Defaults to `True`.
         slab_bytes: offloaded calls of spatially local layers (stride-1 "same" convolutions, BatchNormalization,
             element-wise activations) whose input is larger than this run in slabs along the first spatial axis,
             forward and backward, so only slab-sized temporaries exist on the device (see `LMSConfig`). `0`
