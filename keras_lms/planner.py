@@ -315,13 +315,12 @@ def _note_slabs(calls, entries, batch_size: int) -> list:
     """Say in each entry's reason when the call is computed in slabs (TensorFlow, ``LMSConfig.slab_bytes``)."""
     import keras
 
-    backend = keras.backend.backend()
-    for i, entry in enumerate(entries):
-        offloaded = [[False] * len(e.tensor_offloaded) for e in entries]
-        offloaded[i] = list(entry.tensor_offloaded)
-        plan = tf_step_memory.slab_plans(calls, offloaded, batch_size, entry.slab_bytes, backend).get(i)
-        if plan is not None:
-            entry.reason += f"; computed in {plan.count} slabs of {format_bytes(entry.slab_bytes)} along axis 1"
+    offloaded = [e for e in entries if e.offloaded]
+    slab_bytes = min((e.slab_bytes for e in offloaded), default=0)  # one size per plan (fit_budget)
+    plans = tf_step_memory.slab_plans(calls, [list(e.tensor_offloaded) for e in entries], batch_size, slab_bytes,
+                                      keras.backend.backend())
+    for i, plan in plans.items():
+        entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
     return entries
 
 
