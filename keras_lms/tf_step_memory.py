@@ -71,6 +71,8 @@ def concatenation_parts(calls, batch_size: int) -> dict:
 
 def elided_concatenations(calls, plans: dict, batch_size: int) -> dict:
     """Index of a concatenation that is never built -> the slab call that reads its parts instead."""
+    if not plans:
+        return {}
     parts = concatenation_parts(calls, batch_size)
     elided = {}
     for i in plans:

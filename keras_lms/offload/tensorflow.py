@@ -128,7 +128,7 @@ class StepContext(common.InterceptingContext):
                 self.device_held.update(t.ref() for t in tensors)
             if self.eager or not reads_own_output(unit):
                 outputs = original(*args, **kwargs)
-                self._note_concatenation(unit, tensors, outputs)
+                self._note_outputs(unit, tensors, outputs)
                 return outputs
             # Kept inputs, but TensorFlow's own gradient would read this call's *output* on the device (a
             # fused relu/sigmoid/tanh/elu, a ReLU layer) and so keep it there even when the next layer offloads
@@ -136,7 +136,7 @@ class StepContext(common.InterceptingContext):
             # output's host copy when a consumer made one (see _swapped_in_output).
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
-    def _note_concatenation(self, unit, tensors, outputs):
+    def _note_outputs(self, unit, tensors, outputs):
         """Remember a channel concatenation's parts, so that a slab-computed consumer reads them instead, and
         which call produced each output (a slab forward reads parts older than the newest from the host)."""
         for out in tf.nest.flatten(outputs):
@@ -240,7 +240,7 @@ class StepContext(common.InterceptingContext):
                 if new is not old:
                     var.assign(new)
         record.output_key = None if self.eager else flat_results[0].ref()
-        self._note_concatenation(unit, tensors, outputs)
+        self._note_outputs(unit, tensors, outputs)
         return outputs
 
     # ----------------------------------------------------------------- backward
@@ -463,7 +463,7 @@ class StepContext(common.InterceptingContext):
     def _slab_moment_gradients(self, record, dy, trigger):
         """First pass of a BatchNormalization's slab backward: the gradient reaching its batch mean and variance,
         summed over slabs. Returns the moments function for the second pass (tf_slabs module docstring)."""
-        mean, variance, axes = record.moments[0]
+        mean, variance, _ = record.moments[0]
         device = record.compute_device
 
         def differentiate(windows, dy_inputs, _):
