@@ -290,14 +290,16 @@ def cnn3d_maxpool(size=8, filters=4):
 _RNG = np.random.default_rng(0)
 
 
-def images(batch=4, size=16, channels=3):
-    return _RNG.random((batch, size, size, channels)).astype("float32")
+def images(batch=4, size=16, channels=3, rng=None):
+    """Uniform images; ``rng`` makes them independent of which tests ran before (the module's generator is shared)."""
+    return (rng or _RNG).random((batch, size, size, channels)).astype("float32")
 
 
-def near_ties(shape, step=0.25, jitter=1e-6):
+def near_ties(shape, step=0.25, jitter=1e-6, rng=None):
     """Values on a coarse grid plus multiples of ``jitter``: pooling windows hold exact and near ties."""
-    coarse = np.round(_RNG.random(shape) / step) * step
-    return (coarse + _RNG.integers(0, 3, shape) * jitter).astype("float32")
+    rng = rng or _RNG
+    coarse = np.round(rng.random(shape) / step) * step
+    return (coarse + rng.integers(0, 3, shape) * jitter).astype("float32")
 
 
 # The structures tests/test_numerics.py compares wrapped vs plain on (either backend): name -> (build, inputs).
