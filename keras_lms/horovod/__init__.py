@@ -31,6 +31,7 @@ Importing it without a working Horovod raises ImportError naming `make install` 
 """
 
 from ._hvd import _INSTALL_HINT  # noqa: F401 - raises ImportError with install instructions first
+from . import elastic  # noqa: E402 - upstream's `hvd.elastic` (run, KerasState, the elastic callbacks)
 from .callbacks import (
     BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
@@ -104,6 +105,7 @@ __all__ = [
     "broadcast",
     "broadcast_global_variables",
     "broadcast_variables",
+    "elastic",
     "ccl_built",
     "cross_rank",
     "cross_size",

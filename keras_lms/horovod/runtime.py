@@ -186,6 +186,19 @@ def init(
     return _INFO
 
 
+def refresh_after_reset() -> None:
+    """After an elastic reset (`hvd.shutdown(); hvd.init()`): update `info()`'s rank, size and local size.
+
+    The GPU, threads and host-memory limit stay as `init` set them: TensorFlow's devices exist by then. The
+    host-RAM guard reads Horovod's local size when it checks a plan (`keras_lms.memory.ranks_on_this_node`), and
+    `KerasState.reset` makes wrapped models re-plan, so the guard sees the new number of ranks on this node.
+    """
+    global _INFO
+    if _INFO is not None:
+        _INFO = dataclasses.replace(_INFO, rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+                                    local_size=hvd.local_size())
+
+
 def info() -> HorovodInfo:
     """The `HorovodInfo` returned by the last `init` call."""
     if _INFO is None:
