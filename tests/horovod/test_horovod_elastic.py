@@ -190,3 +190,19 @@ def test_fewer_than_min_np_every_rank_exits_nonzero_within_60s(tmp_path):
     assert rc != 0 and not job.finals(), tail(log)
     assert t_kill and time.time() - t_kill[0] <= 60 + 10, "the job took longer than 60 s past the elastic timeout"
     assert "Process 0 exit with status code" in log, tail(log)
+
+
+def test_horovods_own_elastic_state_test_passes(tmp_path):
+    """Horovod's `test_elastic_state` (its Keras suite), imports changed, on 2 ranks: plain, wrapped and mixed
+    precision pass; the control (Horovod's own `horovod.tensorflow.keras.elastic.KerasState`) fails on Keras 3."""
+    from tests.horovod.test_horovod_multirank import launch
+
+    rc, log, _ = launch("gloo", HERE / "_elastic_state_worker.py", tmp_path, TIMEOUT)
+    assert rc == 0, tail(log)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"state-{rank}.json").read_text())
+        for case in ("plain", "wrapped", "mixed_float16"):
+            assert results[case]["ok"], f"rank {rank}, {case}:\n{results[case]['error']}"
+        assert results["mixed_float16"]["optimizer_variables"] > results["plain"]["optimizer_variables"]
+        assert not results["control_upstream"]["ok"], "Horovod's own KerasState should fail on Keras 3"
+        assert "is not callable" in results["control_upstream"]["error"]
