@@ -99,6 +99,11 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--horovod", action="store_true",
                    help="data-parallel with keras_lms.horovod (launch with horovodrun or mpirun)")
+    g.add_argument("--elastic", action="store_true",
+                   help="elastic Horovod (implies --horovod): launch with horovodrun --gloo --min-np/--max-np "
+                        "--host-discovery-script; ranks may join, leave or die mid-run (docs/horovod.md)")
+    g.add_argument("--commit-every", type=int, default=1, metavar="N",
+                   help="with --elastic: commit the training state (in host memory) every N batches")
     g.add_argument("--out", default=f"runs/{task.name}", help="directory for checkpoints, logs and plots")
     g.add_argument("--resume", action="store_true",
                    help=f"continue from --out/{CHECKPOINT} at the epoch recorded in --out/{STATE}")
@@ -127,6 +132,10 @@ def parse_args(task: Task, argv=None) -> argparse.Namespace:
         parser.error("--bn-momentum must be in [0, 1)")
     if args.budget is not None:
         args.lms = True
+    if args.commit_every < 1:
+        parser.error("--commit-every must be >= 1")
+    if args.elastic:
+        args.horovod = True
     problem = _unwritable_dir(pathlib.Path(args.out))
     if problem:
         parser.error(f"--out {args.out}: {problem}; choose a directory you can write to")

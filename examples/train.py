@@ -16,6 +16,7 @@ if __package__:  # imported as examples.train (python -m examples.segmentation_3
     from .artefacts import write_artefacts
     from .callbacks import make_callbacks
     from .cli import Task, parse_args
+    from .elastic import fit_elastic
     from .runtime import Runtime, broadcast_int, build_model, setup_runtime, wrap_kwargs
     from .state import CHECKPOINT, STATE, jsonable, read_state
 else:  # python examples/segmentation_3d.py: examples/ is on sys.path
@@ -23,6 +24,7 @@ else:  # python examples/segmentation_3d.py: examples/ is on sys.path
     from artefacts import write_artefacts
     from callbacks import make_callbacks
     from cli import Task, parse_args
+    from elastic import fit_elastic
     from runtime import Runtime, broadcast_int, build_model, setup_runtime, wrap_kwargs
     from state import CHECKPOINT, STATE, jsonable, read_state
 
@@ -47,7 +49,10 @@ def run(task: Task, argv=None) -> dict | None:
     state = read_state(out, args, task) if args.resume else None
     if args.resume and state is None:
         rt.log(f"--resume: no {CHECKPOINT} + {STATE} in {out}; starting from scratch.")
-    initial_epoch = broadcast_int(rt, state["epoch"] if state else 0)
+    # Elastic: no collective may run before hvd.elastic.run's sync (a joining worker would pair it with the
+    # others' sync); the state's sync gives every rank rank 0's epoch instead.
+    saved_epoch = state["epoch"] if state else 0
+    initial_epoch = saved_epoch if args.elastic else broadcast_int(rt, saved_epoch)
     # Every rank that can read the checkpoint loads it; a rank that cannot (no shared file system) starts from
     # fresh weights, which BroadcastGlobalVariablesCallback replaces by rank 0's before the first update.
     restore = out / CHECKPOINT if initial_epoch and (out / CHECKPOINT).exists() else None
@@ -72,7 +77,10 @@ def run(task: Task, argv=None) -> dict | None:
 
     t0 = time.perf_counter()
     fit_history = {}
-    if initial_epoch < args.epochs:
+    if args.elastic:  # the data, callbacks and rank are rebuilt at every reset
+        fit_history = fit_elastic(args, task, model, out, history, meta, initial_epoch, log=rt.log)
+        rt = type(rt)(rank=rt.hvd.rank(), size=rt.hvd.size(), local_rank=rt.hvd.local_rank(), hvd=rt.hvd)
+    elif initial_epoch < args.epochs:
         fit_history = model.fit(train_data, validation_data=val_data, epochs=args.epochs, initial_epoch=initial_epoch,
                                 callbacks=callbacks, verbose=verbose).history
     else:

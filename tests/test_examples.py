@@ -349,7 +349,7 @@ def _finish(proc):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One epoch of each script, started together (two cores), then a resumed second 3D epoch."""
+    """One epoch of each script, started together (two cores), then a resumed second 3D epoch (--elastic)."""
     base = tmp_path_factory.mktemp("examples")
     out3, out2 = base / "seg3d", base / "seg2d"
     p3 = _start("segmentation_3d.py", out3, "--volume", "16", "--epochs", "1")
@@ -361,7 +361,10 @@ def runs(tmp_path_factory):
     log3 = _finish(p3)
     first = json.loads((out3 / "summary.json").read_text())
     state1 = json.loads((out3 / state.STATE).read_text())
-    resumed = _finish(_start("segmentation_3d.py", out3, "--volume", "16", "--epochs", "2", "--resume"))
+    # The resumed run takes the --elastic code path where Horovod is installed (one rank: hvd.elastic.run with a
+    # KerasState starting at the resumed epoch; tests/horovod/test_horovod_elastic.py covers real resets).
+    resumed = _finish(_start("segmentation_3d.py", out3, "--volume", "16", "--epochs", "2", "--resume",
+                             *(["--elastic"] if HAVE_HOROVOD else [])))
     log2 = _finish(p2)
     return dict(out3=out3, out2=out2, log3=log3, log2=log2, first=first, state1=state1, resumed=resumed)
 

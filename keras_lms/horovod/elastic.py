@@ -16,7 +16,6 @@ attributes (`batch`, `epoch`, ...). See docs/horovod.md, "Elastic training".
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import keras
@@ -133,7 +132,8 @@ class KerasState(ObjectState):
 
     def __init__(self, model, optimizer=None, **kwargs):
         if not isinstance(model, keras.Model):
-            raise TypeError(f"KerasState needs a keras.Model (plain or keras_lms.wrap-ped); got {type(model).__name__}.")
+            raise TypeError("KerasState needs a keras.Model (plain or keras_lms.wrap-ped); "
+                            f"got {type(model).__name__}.")
         if not model.built:
             raise ValueError("Model must be built first: call model.build(input_shape) or train one step "
                              "before creating the KerasState.")
@@ -155,12 +155,10 @@ class KerasState(ObjectState):
     def tracked_variables(self) -> list:
         """Every variable a commit holds, in an order that is the same on every rank."""
         seen, out = set(), []
-        extra = []
-        if isinstance(self.optimizer, _DistributedMixin) or isinstance(
-                getattr(self.optimizer, "inner_optimizer", None), _DistributedMixin):
-            inner = self.optimizer if isinstance(self.optimizer, _DistributedMixin) else self.optimizer.inner_optimizer
-            extra = list(inner._hvd_accumulators or []) + ([inner._hvd_counter] if inner._hvd_counter is not None
-                                                           else [])
+        distributed = _distributed(self.optimizer)
+        # DistributedOptimizer's aggregation buffers and counter are plain tf.Variables Keras does not track.
+        extra = [] if distributed is None else [
+            v for v in list(distributed._hvd_accumulators or []) + [distributed._hvd_counter] if v is not None]
         for v in list(self.model.variables) + list(self.optimizer.variables) + extra:
             if id(v) not in seen:
                 seen.add(id(v))
@@ -176,6 +174,11 @@ class KerasState(ObjectState):
         if len(variables) != len(self._saved_values):  # the optimizer was built after the last commit
             self._ensure_optimizer_built()
             variables = self.tracked_variables()
+        if len(variables) != len(self._saved_values):
+            raise RuntimeError(
+                f"KerasState.restore(): the model and optimizer now have {len(variables)} variables, the last commit "
+                f"holds {len(self._saved_values)}. Variables were added after the commit (a layer built late, or the "
+                "optimizer replaced); commit again after building them.")
         for v, value in zip(variables, self._saved_values):
             v.assign(value)
         _set_plan(self.model, self._saved_plan)
@@ -201,13 +204,21 @@ class KerasState(ObjectState):
         for name in ("train_function", "test_function", "predict_function"):
             if hasattr(self.model, name):
                 setattr(self.model, name, None)
-        for opt in (self.optimizer, getattr(self.optimizer, "inner_optimizer", None)):
-            if opt is not None and "_hvd_structure" in vars(opt):
-                object.__delattr__(opt, "_hvd_structure")
+        distributed = _distributed(self.optimizer)
+        if distributed is not None and "_hvd_structure" in vars(distributed):
+            object.__delattr__(distributed, "_hvd_structure")  # the end-of-epoch marker's shapes: re-learnt
         _forget_plans(self.model)
 
 
 TensorFlowKerasState = KerasState
+
+
+def _distributed(optimizer):
+    """Our DistributedOptimizer inside `optimizer` (itself, or the inner one of a LossScaleOptimizer), or None."""
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if isinstance(candidate, _DistributedMixin):
+            return candidate
+    return None
 
 
 def _plan_of(model):
@@ -340,6 +351,9 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 class UpdateEpochStateCallback(keras.callbacks.Callback):
     """Keep `state.epoch` = the epochs finished over all resets (upstream's callback).
 
+    Works with upstream's `fit(epochs=N - state.epoch)` and with `fit(epochs=N, initial_epoch=state.epoch)` (which
+    keeps learning-rate schedules on the absolute epoch).
+
     Args:
         state: the `KerasState` (with an `epoch` attribute).
 
@@ -360,12 +374,21 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
         super().__init__()
         self.state = state
         self.initial_epoch = getattr(state, "epoch", 0)
+        self._offset = None
 
     def on_train_begin(self, logs=None):
         self.initial_epoch = self.state.epoch
+        self._offset = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._offset is None:
+            # Upstream's style, fit(epochs=N - state.epoch), numbers this run's epochs from 0; fit(epochs=N,
+            # initial_epoch=state.epoch) numbers them from state.epoch. The first epoch index tells which.
+            self._offset = self.initial_epoch - epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = self.initial_epoch + epoch + 1
+        offset = self.initial_epoch if self._offset is None else self._offset
+        self.state.epoch = offset + epoch + 1
 
 
 __all__ = [
