@@ -31,7 +31,9 @@ Importing it without a working Horovod raises ImportError naming `make install` 
 """
 
 from ._hvd import _INSTALL_HINT  # noqa: F401 - raises ImportError with install instructions first
-from . import elastic  # noqa: E402 - upstream's `hvd.elastic` (run, KerasState, the elastic callbacks)
+
+# isort: split
+from . import elastic  # upstream's `hvd.elastic` (run, KerasState, the elastic callbacks); after the check above
 from .callbacks import (
     BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
