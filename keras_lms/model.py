@@ -358,9 +358,19 @@ class LMSModel(keras.Model):
             yield self.inner_model
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        """`keras.Model.save_weights` in the layout of the plain model (interchangeable with it)."""
+        """`keras.Model.save_weights` in the layout of the plain model (interchangeable with it), written atomically.
+
+        A local `.weights.h5` file is written to a temporary file next to it, flushed and moved into place with
+        `os.replace`, so an interrupted save (a crash, a kill, a full disk) leaves the previous file intact (Keras
+        writes in place, and a kill mid-write leaves a file h5py cannot open). Sharded (`max_shard_size`) and
+        remote files are written by Keras as before.
+        """
+        path = saving.atomic_weights_path(filepath, kwargs)
         with self._inner_with_our_optimizer() as inner:
-            return inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+            if path is None or (not overwrite and os.path.exists(path)):  # Keras asks before overwriting
+                return inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+            saving.write_atomically(path, lambda tmp: inner.save_weights(tmp, overwrite=True, **kwargs),
+                                    suffix=".tmp.weights.h5")
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Load weights saved by this wrapper, by another wrapper of the same model, or by the plain model."""
