@@ -5,16 +5,35 @@ backward use; `keras_lms.report(model, batch_size)` predicts what that saves bef
 `keras_lms.horovod` trains data-parallel on many ranks. See README.md and docs/ for usage.
 
 The public names are those in `__all__`: the entry points (`wrap`, `unwrap`, `report`), the settings
-(`LMSConfig`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`), the callback
-(`MemoryHighWaterMark`) and the errors a user may catch (`BudgetError`, `HostMemoryError`).
+(`LMSConfig`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`), the callbacks
+(`MemoryHighWaterMark`, `BackupAndRestore`) and the errors a user may catch (`BudgetError`, `HostMemoryError`,
+`BackupError`).
 """
 
-from keras_lms._keras_adapter import check_keras_version as _check_keras_version
+import os as _os
+import sys as _sys
+
+
+def _is_the_cli() -> bool:
+    """True in the `keras-lms` command (or `python -m keras_lms.cli`), where this package is imported first."""
+    argv = list(getattr(_sys, "orig_argv", _sys.argv))
+    command = _os.path.basename(_sys.argv[0]) == "keras-lms" if _sys.argv else False
+    module = any(a == "-m" and b == "keras_lms.cli" for a, b in zip(argv, argv[1:]))
+    return (command or module) and "--verbose" not in argv
+
+
+if _is_the_cli():
+    # The command's answer would follow about eight lines of TensorFlow start-up logs (absl, oneDNN,
+    # cpu_feature_guard). TensorFlow reads the level when it is imported, i.e. by the `import keras` below, before
+    # keras_lms.cli.main runs; `keras-lms --verbose ...` keeps them. A level the user set is left alone.
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_lms._keras_adapter import check_keras_version as _check_keras_version  # noqa: E402
 
 _check_keras_version()
 
 from keras_lms import callbacks, planner  # noqa: E402 - after the Keras version check
-from keras_lms.callbacks import MemoryHighWaterMark  # noqa: E402
+from keras_lms.callbacks import BackupAndRestore, BackupError, MemoryHighWaterMark  # noqa: E402
 from keras_lms.config import LMSConfig  # noqa: E402
 from keras_lms.memory import HostMemoryError  # noqa: E402
 from keras_lms.model import LMSModel  # noqa: E402
@@ -35,9 +54,11 @@ __all__ = [
     "PlanEntry",
     "ActivationReport",
     "MemoryHighWaterMark",
+    "BackupAndRestore",
     # errors
     "BudgetError",
     "HostMemoryError",
+    "BackupError",
     # modules
     "callbacks",
     "planner",

@@ -1,7 +1,8 @@
-"""MemoryHighWaterMark: memory high-water marks in the normal Keras logs.
+"""keras-lms' callbacks: MemoryHighWaterMark (defined here) and BackupAndRestore (keras_lms.backup).
 
-Writing into `logs` (instead of printing) means the numbers appear in History, the progress bar,
-CSVLogger and TensorBoard with no extra code.
+MemoryHighWaterMark writes memory high-water marks into the normal Keras logs: writing into `logs` (instead of
+printing) means the numbers appear in History, the progress bar, CSVLogger and TensorBoard with no extra code.
+BackupAndRestore is a drop-in for Keras' preemption callback that writes atomically and resumes exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import os
 import keras
 
 from keras_lms import memory
+from keras_lms.backup import BackupAndRestore
+from keras_lms.backup_store import BackupError
+
+__all__ = ["MemoryHighWaterMark", "BackupAndRestore", "BackupError"]
 
 KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
 

@@ -388,6 +388,65 @@ def test_fused_activation_refuses_an_activation_not_stored_on_the_instance():
         adapter.fused_activation(PropertyActivation(2))
 
 
+# ---------------------------------------------------------- the fit loop, for keras_lms.BackupAndRestore
+def _sgd_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_fit_starts_at_the_initial_epoch_a_callback_sets():
+    class StartAtTwo(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            adapter.set_initial_epoch(self.model, 2)
+
+    model = _sgd_model()
+    history = model.fit(np.ones((2, 3)), np.ones((2, 1)), epochs=3, verbose=0, callbacks=[StartAtTwo()])
+    canary(history.epoch == [2] and adapter.initial_epoch(model) == 2, "set_initial_epoch",
+           "fit reads Trainer._initial_epoch after on_train_begin")
+    adapter.set_initial_epoch(model, None)
+    with gone("initial_epoch"):
+        adapter.initial_epoch(object())
+
+
+def test_skipping_train_function_passes_over_the_first_batches():
+    """Skipping 2 of 4 batches trains exactly as fitting the last 2 does; on_done runs once, after the skips."""
+    x = np.random.default_rng(0).random((8, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    done = []
+
+    class SkipTwo(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            canary(adapter.can_skip_train_steps(self.model), "skipping_train_function",
+                   "fit makes model.train_function before on_train_begin")
+            self.model.train_function = adapter.skipping_train_function(self.model, 2, on_done=lambda: done.append(1))
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                assert done == [1]
+
+    skipped = _sgd_model()
+    history = skipped.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[SkipTwo()])
+    tail = _sgd_model()
+    tail.fit(x[4:], y[4:], batch_size=2, epochs=1, shuffle=False, verbose=0)
+    canary(all(np.array_equal(a, b) for a, b in zip(skipped.get_weights(), tail.get_weights())),
+           "skipping_train_function", "fit hands train_function the epoch's iterator (TensorFlow) or the batch (torch)")
+    assert int(skipped.optimizer.iterations.numpy()) == 2 and np.isfinite(history.history["mae"][0])
+    assert not adapter.can_skip_train_steps(_sgd_model())  # outside fit: no train function to wrap
+
+
+def test_global_seed_generator_is_what_unseeded_keras_random_draws_from():
+    keras.random.normal((2,))  # made on first use
+    generator = adapter.global_seed_generator()
+    canary(generator is not None and generator is adapter.global_seed_generator(create=True), "global_seed_generator",
+           "keras.random without a seed draws from the global-state attribute global_seed_generator")
+    before = keras.ops.convert_to_numpy(generator.state.value)
+    keras.random.normal((2,))
+    canary(not np.array_equal(before, keras.ops.convert_to_numpy(generator.state.value)), "global_seed_generator",
+           "an unseeded keras.random call advances the global seed generator's state")
+
+
 # ---------------------------------------------------------------- no private Keras API outside the adapter
 # Private Keras names keras-lms used outside the adapter before issue 14, and the ones the adapter reads.
 KERAS_PRIVATE_NAMES = frozenset({
@@ -395,7 +454,7 @@ KERAS_PRIVATE_NAMES = frozenset({
     "_moments", "_iterations", "_variables", "_operations", "_functional", "_nodes_by_depth", "_run_through_graph",
     "_get_operation_for_node", "_outputs_struct", "_clear_losses", "_keras_mask", "_get_call_context",
     "_track_variable", "_get_variable_index", "_trainable_variables_indices", "_get_current_learning_rate",
-    "_dict_to_ordered_dict", "_jit_compile",
+    "_dict_to_ordered_dict", "_jit_compile", "_initial_epoch", "_symbolic_build",
 })
 ADAPTER = pathlib.Path(adapter.__file__).parent  # keras_lms/_keras_adapter/, the one exempt package
 PACKAGE = ADAPTER.parent

@@ -20,6 +20,9 @@ and its docstring says which internals it relies on and why:
 * :mod:`.torch_trees`: on torch, flatten nested structures without the reference cycles Keras' torch tree
   utilities create (:func:`acyclic_torch_trees`), so a tensor dies when its last user drops it, not at the next
   garbage collection;
+* :mod:`.training`: for ``keras_lms.BackupAndRestore``, make a running ``fit`` start at a given epoch
+  (:func:`set_initial_epoch`) and pass over the batches an interrupted run had trained
+  (:func:`skipping_train_function`);
 * :mod:`.optimizers`: for ``keras_lms.horovod``, key, list and save an optimizer's variables as Keras does
   (:func:`optimizer_variable_key`, :func:`optimizer_trainable_variables`, :func:`serialize_like`) and find
   RMSprop's momentum buffers (:func:`rmsprop_momentums`).
@@ -75,12 +78,20 @@ from keras_lms._keras_adapter.stateless import (  # noqa: E402
     run_stateless,
 )
 from keras_lms._keras_adapter.torch_trees import acyclic_torch_trees  # noqa: E402
+from keras_lms._keras_adapter.training import (  # noqa: E402
+    can_skip_train_steps,
+    global_seed_generator,
+    initial_epoch,
+    set_initial_epoch,
+    skipping_train_function,
+)
 
 __all__ = [  # the last line: re-exported from keras_lms._keras_support (public Keras API only)
     "current_autocast_dtype", "run_stateless", "raw_values", "recording_variable_reads", "original_call",
     "CallInContext", "patched_calls", "clear_losses", "functional_operations", "get_mask", "set_mask",
     "compute_output_spec", "releasing_graph_runs", "acyclic_torch_trees", "batchnorm_moments_hook",
     "batchnorm_reduction_axes", "fused_activation", "optimizer_variable_key", "optimizer_trainable_variables",
-    "rmsprop_momentums", "serialize_like",
+    "rmsprop_momentums", "serialize_like", "initial_epoch", "set_initial_epoch", "can_skip_train_steps",
+    "skipping_train_function", "global_seed_generator",
     "SUPPORTED_KERAS", "check_keras_version", "is_quantized", "patched_attribute",
 ]
