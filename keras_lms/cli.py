@@ -135,6 +135,8 @@ def _info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keras-lms", description="Large Model Support for Keras 3.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep TensorFlow's start-up logs (absl, oneDNN, cpu_feature_guard) on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="per-layer activation memory of a saved model, with and without LMS")
     rep.add_argument("model", help="a .keras file (plain or wrapped)")
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    """Run the command. TensorFlow's start-up logs are quieted by `keras_lms/__init__.py` (before TensorFlow is
+    imported) unless `--verbose` is given."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -144,7 +144,7 @@ class KerasState(ObjectState):
         self.optimizer = optimizer
         self._saved_values = None
         self._saved_plan = None
-        self._save_model()
+        self._take_snapshot()
         super().__init__(bcast_object=broadcast_object, get_rank=hvd.rank, **kwargs)
 
     # ------------------------------------------------------------------------------------- variables
@@ -165,11 +165,11 @@ class KerasState(ObjectState):
                 out.append(v)
         return out
 
-    def _save_model(self) -> None:
+    def _take_snapshot(self) -> None:
         self._saved_values = [np.array(v.numpy(), copy=True) for v in self.tracked_variables()]
         self._saved_plan = _plan_of(self.model)
 
-    def _load_model(self) -> None:
+    def _put_snapshot_back(self) -> None:
         variables = self.tracked_variables()
         if len(variables) != len(self._saved_values):  # the optimizer was built after the last commit
             self._ensure_optimizer_built()
@@ -185,18 +185,18 @@ class KerasState(ObjectState):
 
     # ------------------------------------------------------------------------ Horovod's State hooks
     def save(self):
-        self._save_model()
+        self._take_snapshot()
         super().save()
 
     def restore(self):
-        self._load_model()
+        self._put_snapshot_back()
         super().restore()
 
     def sync(self):
         self._ensure_optimizer_built()
         if hvd.size() > 1:
             broadcast_variables(self.tracked_variables(), root_rank=0)
-        self._save_model()
+        self._take_snapshot()
         super().sync()
 
     def reset(self):
