@@ -564,6 +564,36 @@ def best_checkpoint_and_device():
             "loads": loaded is not None}
 
 
+@scenario
+def backup_and_restore():
+    """keras_lms.callbacks.BackupAndRestore per rank: a wrapped model with Dropout trained 2 epochs with backups,
+    then a fresh model resumed to 3 epochs from the same directory equals 3 uninterrupted epochs, bit for bit."""
+    import keras_lms
+
+    def make():
+        keras.utils.set_random_seed(7)
+        inp = keras.Input((D,))
+        h = keras.layers.Dropout(0.3)(keras.layers.Dense(16, activation="tanh")(inp))
+        m = keras_lms.wrap(keras.Model(inp, keras.layers.Dense(1)(h)), min_bytes=0)
+        m.compile(lhvd.DistributedOptimizer(sgd()), "mse", jit_compile=False)
+        return m
+
+    def fit(m, epochs, backup=None):
+        cbs = [lhvd.BroadcastGlobalVariablesCallback(0)] + ([backup] if backup else [])
+        ran = m.fit(shard(X), shard(Y), batch_size=B, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs)
+        return digest(m.get_weights()), len(ran.history["loss"])
+
+    directory = os.path.join(OUT, "backup")
+    uninterrupted, _ = fit(make(), 3)
+    fit(make(), 2, keras_lms.callbacks.BackupAndRestore(directory, delete_checkpoint=False))  # "preempted" here
+    resumed_model = make()
+    resumed, epochs_run = fit(resumed_model, 3, keras_lms.callbacks.BackupAndRestore(directory,
+                                                                                     delete_checkpoint=False))
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "epochs_run_after_resume": epochs_run,
+            "iterations": int(resumed_model.optimizer.iterations),
+            "rank_dirs": sorted(d for d in os.listdir(directory) if d.startswith("rank-"))}
+
+
 RESULTS["rank"], RESULTS["size"] = R, S
 with open(os.path.join(OUT, f"rank{R}.json"), "w") as f:
     json.dump(RESULTS, f)

@@ -320,6 +320,19 @@ def test_xla_gives_clear_error(run):
         assert r["error"] and "jit_compile=False" in r["error"]
 
 
+def test_backup_and_restore_per_rank(run):
+    """keras_lms.callbacks.BackupAndRestore under keras_lms.horovod: each rank writes backup/rank-<r>, and a run
+    resumed from them ends with the weights of an uninterrupted run on every rank (Dropout included)."""
+    results = scenario(run, "backup_and_restore")
+    for r in results:
+        assert r["epochs_run_after_resume"] == 1, r  # it resumed (a fresh start would run 3 epochs)
+        assert r["resumed"] == r["uninterrupted"], r
+        assert r["iterations"] == 3 * (64 // (run["size"] * 8)), r
+    assert len({r["resumed"] for r in results}) == 1
+    expected = [f"rank-{i}" for i in range(run["size"])] if run["size"] > 1 else []
+    assert results[0]["rank_dirs"] == expected, results[0]
+
+
 def test_saving_and_config(run):
     r = scenario(run, "saving")[0]
     assert r["is_sgd"]
