@@ -10,14 +10,16 @@ with static batch shapes.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 if __package__:  # imported as examples.data (python -m examples.segmentation_3d, the tests)
-    from .files import ImageTiles, NiftiVolumes, find_pairs, split_pairs
+    from .files import DataFileError, ImageTiles, NiftiVolumes, find_pairs, split_pairs
     from .sharded import _Sharded
     from .synthetic import SyntheticLesions
 else:  # python examples/segmentation_3d.py: examples/ is on sys.path
-    from files import ImageTiles, NiftiVolumes, find_pairs, split_pairs
+    from files import DataFileError, ImageTiles, NiftiVolumes, find_pairs, split_pairs
     from sharded import _Sharded
     from synthetic import SyntheticLesions
 
@@ -58,7 +60,13 @@ def to_tf_dataset(dataset: _Sharded, parallel_calls: int = 1, prefetch: int = 2)
     x_shape, y_shape = dataset.batch_shapes()
 
     def load(index):
-        x, y = dataset[int(index)]
+        try:
+            x, y = dataset[int(index)]
+        except DataFileError as err:
+            # tf.data re-raises it as a PyFunc/IteratorGetNext error whose traceback buries the file's name:
+            # keep it, so data_errors_in_one_line can give the user the example's own line instead.
+            dataset.data_error = err
+            raise
         return x.astype(np.float32, copy=False), y.astype(np.float32, copy=False)
 
     def batch(index):
@@ -68,3 +76,25 @@ def to_tf_dataset(dataset: _Sharded, parallel_calls: int = 1, prefetch: int = 2)
     ds = tf.data.Dataset.range(len(dataset))
     ds = ds.map(batch, num_parallel_calls=max(1, int(parallel_calls)), deterministic=True)
     return ds.prefetch(max(1, int(prefetch)))
+
+
+class DataError(SystemExit):
+    """A data file could not be read during training: the example exits with one line naming it."""
+
+
+@contextlib.contextmanager
+def data_errors_in_one_line(*datasets):
+    """Turn an unreadable data file met while training into one line naming the file (exit status 1).
+
+    Under ``--loader pydataset`` Keras re-raises the example's :class:`DataFileError` itself; under the default
+    ``--loader tfdata`` TensorFlow wraps it in a ``PyFunc``/``IteratorGetNext`` error, so the original, recorded
+    by :func:`to_tf_dataset` on the dataset, is used.
+    """
+    try:
+        yield
+    except Exception as err:
+        recorded = next((d.data_error for d in datasets if getattr(d, "data_error", None) is not None), None)
+        cause = err if isinstance(err, DataFileError) else recorded
+        if cause is None:
+            raise
+        raise DataError(f"error: {cause}") from None

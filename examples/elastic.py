@@ -58,9 +58,10 @@ def fit_elastic(args, task, model, out, history: list, meta: dict, initial_epoch
             hvd.elastic.CommitStateCallback(state, batches_per_commit=args.commit_every),
         ] + make_callbacks(args, rt, out, history, resumed=state.epoch > 0, meta=meta, train_ds=train_ds)
         if state.epoch < args.epochs:
-            result["history"] = model.fit(train_data, validation_data=val_data, epochs=args.epochs,
-                                          initial_epoch=state.epoch, callbacks=callbacks,
-                                          verbose=args.verbose if rt.is_root else 0).history
+            with data_lib.data_errors_in_one_line(train_ds, val_ds):
+                result["history"] = model.fit(train_data, validation_data=val_data, epochs=args.epochs,
+                                              initial_epoch=state.epoch, callbacks=callbacks,
+                                              verbose=args.verbose if rt.is_root else 0).history
         return result.get("history", {})
 
     return train(state)

@@ -81,8 +81,9 @@ def run(task: Task, argv=None) -> dict | None:
         fit_history = fit_elastic(args, task, model, out, history, meta, initial_epoch, log=rt.log)
         rt = type(rt)(rank=rt.hvd.rank(), size=rt.hvd.size(), local_rank=rt.hvd.local_rank(), hvd=rt.hvd)
     elif initial_epoch < args.epochs:
-        fit_history = model.fit(train_data, validation_data=val_data, epochs=args.epochs, initial_epoch=initial_epoch,
-                                callbacks=callbacks, verbose=verbose).history
+        with data_lib.data_errors_in_one_line(train_ds, val_ds):
+            fit_history = model.fit(train_data, validation_data=val_data, epochs=args.epochs,
+                                    initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose).history
     else:
         rt.log(f"Already trained for {initial_epoch} >= --epochs {args.epochs} epochs; nothing to train.")
     train_seconds = time.perf_counter() - t0

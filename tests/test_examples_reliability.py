@@ -108,3 +108,48 @@ def test_corrupt_nifti_is_named(tmp_path):
     bad.write_bytes(img.read_bytes()[: len(img.read_bytes()) // 2])
     with pytest.raises(files.DataFileError, match="v_label.nii.gz"):
         files.load_nifti(img, bad)
+
+
+def _tiles_with_one_corrupt_label(directory):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for stem in ("a", "b", "c"):
+        Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(directory / f"{stem}_image.png")
+        Image.fromarray((rng.random((40, 40)) > 0.5).astype(np.uint8) * 255).save(directory / f"{stem}_label.png")
+    bad = directory / "a_label.png"
+    bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    return bad
+
+
+@pytest.mark.parametrize("loader", ["tfdata", "pydataset"])
+def test_corrupt_tile_is_one_line_under_both_loaders(tmp_path, loader):
+    """A damaged PNG in --data-dir met while training: one line naming the file (SystemExit), not a
+    PyFunc / IteratorGetNext traceback. Control: the tf.data error itself does not name the file on its first line."""
+    pytest.importorskip("PIL")
+    from examples import data
+
+    bad = _tiles_with_one_corrupt_label(tmp_path)
+    train, val, _ = data.make_datasets("2d", (32, 32), data_dir=str(tmp_path), batch_size=1, steps=2, val_steps=1,
+                                       val_fraction=0.0)
+
+    def read_all():
+        if loader == "tfdata":
+            for _ in data.to_tf_dataset(train):
+                pass
+        else:
+            for i in range(len(train)):
+                train[i]
+
+    if loader == "tfdata":  # the control: what the user saw before
+        import tensorflow as tf
+
+        with pytest.raises(tf.errors.OpError) as raw:
+            read_all()
+        assert "PyFunc" in str(raw.value) or "pyfunc" in str(raw.value).lower()
+        train.data_error = None
+    with pytest.raises(data.DataError) as exited:
+        with data.data_errors_in_one_line(train, val):
+            read_all()
+    message = str(exited.value)
+    assert str(bad) in message and "damaged or truncated" in message and "\n" not in message, message
