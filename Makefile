@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q torch==2.13.0
 	touch $@
 
-# Horovod is built from source once per machine (wheel cached under .cache/wheels); see docs/horovod.md.
+# Horovod is built from source once per machine (wheel cached under ~/.cache/keras-lms/wheels, shared by all clones); see docs/horovod.md.
 $(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
 	bash scripts/install_horovod.sh $(PY)
 	touch $@

@@ -4,7 +4,7 @@
 #   bash scripts/install_horovod.sh .venv/bin/python
 #
 # Idempotent: if `horovod.tensorflow` already imports (and is built with MPI when OpenMPI is present) it
-# exits at once. The wheel it builds is cached in <repo>/.cache/wheels, so recreating the venv reinstalls
+# exits at once. The wheel it builds is cached in ~/.cache/keras-lms/wheels, so recreating the venv reinstalls
 # in seconds instead of rebuilding (3-8 min on 2 cores).
 #
 # Why a source build: there is no Horovod wheel on PyPI, and the 0.28.1 sdist does not compile against
@@ -15,7 +15,7 @@
 #
 # Environment knobs (all optional):
 #   HOROVOD_VERSION        default 0.28.1 (the source fix is only verified for 0.28.1)
-#   KERAS_LMS_WHEEL_CACHE  default <repo>/.cache/wheels
+#   KERAS_LMS_WHEEL_CACHE  default ~/.cache/keras-lms/wheels ($XDG_CACHE_HOME/keras-lms/wheels)
 #   KERAS_LMS_SKIP_MPI=1   never apt-get OpenMPI; build with Gloo only
 #   MAKEFLAGS              default -j<number of CPUs>
 #   HOROVOD_GPU_OPERATIONS passed through to Horovod's build if set (e.g. NCCL); unset = CPU/Gloo/MPI ops only
@@ -23,7 +23,8 @@ set -euo pipefail
 
 HVD_VERSION="${HOROVOD_VERSION:-0.28.1}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CACHE="${KERAS_LMS_WHEEL_CACHE:-$REPO/.cache/wheels}"
+# Per user, not per checkout: a fresh clone on the same machine (CI clones main for every run) reuses the build.
+CACHE="${KERAS_LMS_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras-lms/wheels}"
 LOG_DIR="$REPO/.cache"
 
 say()  { printf '[install_horovod] %s\n' "$*"; }
