@@ -7,7 +7,7 @@ For every offloaded layer call ``y = layer(x)`` (the contract of ``keras_lms.off
    the torch tensors behind the layer's trainable variables, so the weight gradients flow into ``.grad`` where
    Keras' torch trainer reads them. The new non-trainable values (BatchNorm moving statistics, seed-generator
    states) are assigned to the variables once, outside; the recompute uses a *snapshot* taken before.
-2. swap-out: each offloaded input is copied into a pinned host buffer (from a pool keyed by shape and dtype,
+2. swap-out: each offloaded input is copied into a pinned host buffer (from a pool keyed by shape, strides and dtype,
    reused across steps) on a dedicated CUDA copy stream (``non_blocking``); ``record_stream`` tells the caching
    allocator that the device tensor is in use by the copy, so it is released as soon as the copy has run and
    the forward pass drops it (the Function does not save it). One host copy per tensor per step: a U-Net skip
