@@ -38,6 +38,8 @@ API = {
     "keras_lms:BackupAndRestore": ("Args", "Raises", "Example"),
     "keras_lms.horovod:init": ("Args", "Returns", "Raises", "Example"),
     "keras_lms.horovod:DistributedOptimizer": ("Args", "Returns", "Raises", "Example"),
+    "keras_lms.horovod.elastic:run": ("Args", "Returns", "Raises", "Example"),
+    "keras_lms.horovod.elastic:KerasState": ("Args", "Returns", "Raises", "Example"),
 }
 EXAMPLE_RE = re.compile(r"^Example:\n\n```python\n(.*?)^```", re.S | re.M)
 RST_RE = re.compile(r":(func|class|meth|mod|attr):`|(?<!`)``(?!`)")

@@ -70,12 +70,26 @@ def run(func):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import keras_lms
     import keras_lms.horovod as hvd
+
+    hvd.init()
+    model = keras_lms.wrap(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss="mse", jit_compile=False)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(1e-3 * hvd.size())])
 
     @hvd.elastic.run
     def train(state):
-        state.model.fit(dataset, steps_per_epoch=100 // hvd.size(), epochs=10 - state.epoch,
-                        callbacks=callbacks)
+        x, y = np.zeros((8, 4)), np.zeros((8, 1))  # build the rank's shard here: rank and size change at resets
+        return model.fit(x, y, batch_size=4, epochs=2, initial_epoch=state.epoch, verbose=0, callbacks=[
+            hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+            hvd.elastic.CommitStateCallback(state)])
+
+    train(state)
+    assert state.epoch == 2 and state.batch == 0
     ```
     """
 
@@ -123,10 +137,26 @@ class KerasState(ObjectState):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import keras_lms
     import keras_lms.horovod as hvd
 
+    hvd.init()
+    model = keras_lms.wrap(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss="mse", jit_compile=False)
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    state.register_reset_callbacks([lambda: state.model.optimizer.learning_rate.assign(0.001 * hvd.size())])
+    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(1e-3 * hvd.size())])
+
+    @hvd.elastic.run
+    def train(state):
+        x, y = np.zeros((8, 4)), np.zeros((8, 1))  # build the rank's shard here: rank and size change at resets
+        return model.fit(x, y, batch_size=4, epochs=2, initial_epoch=state.epoch, verbose=0, callbacks=[
+            hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+            hvd.elastic.CommitStateCallback(state)])
+
+    train(state)
+    assert state.epoch == 2 and state.batch == 0
     ```
     """
 
