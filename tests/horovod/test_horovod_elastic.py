@@ -206,3 +206,33 @@ def test_horovods_own_elastic_state_test_passes(tmp_path):
         assert results["mixed_float16"]["optimizer_variables"] > results["plain"]["optimizer_variables"]
         assert not results["control_upstream"]["ok"], "Horovod's own KerasState should fail on Keras 3"
         assert "is not callable" in results["control_upstream"]["error"]
+
+
+def test_reset_retraces_and_rechecks_host_memory_for_the_ranks_now_on_the_node(monkeypatch):
+    """In-process (one rank): after `KerasState.reset` the step is retraced and the wrapped model re-plans, so the
+    host-RAM guard counts the ranks now on this node. Control: before the reset the cached plan is used."""
+    import keras
+    import numpy as np
+
+    import keras_lms
+    import keras_lms.horovod as hvd
+    from keras_lms import memory
+
+    hvd.init()
+    inp = keras.Input((16, 16, 1))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    model = keras_lms.wrap(keras.Model(inp, keras.layers.Conv2D(1, 1)(x)), min_bytes=0, keep_last=0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse", jit_compile=False)
+    data = np.zeros((4, 16, 16, 1), "float32")
+    model.train_on_batch(data, data)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    host = model.offloaded_bytes_per_step
+    assert host > 0
+    # Room for this rank's host copies, not for four ranks' (what a reset to 4 ranks on this node would mean).
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(2 * host / 0.9))
+    monkeypatch.setattr(memory, "ranks_on_this_node", lambda: 4)
+    model.train_on_batch(data, data)  # control: the traced step and its plan are kept, no new check
+    state.reset()
+    assert model.train_function is None
+    with pytest.raises(memory.HostMemoryError, match="host memory"):
+        model.train_on_batch(data, data)
