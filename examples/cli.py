@@ -93,6 +93,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                    help="keras_lms.wrap(min_bytes=...): smaller tensors stay on the device, e.g. 1MiB")
     g.add_argument("--keep-last", type=int, default=None, help="keras_lms.wrap(keep_last=...)")
     g.add_argument("--prefetch", type=int, default=None, help="keras_lms.wrap(prefetch=...)")
+    g.add_argument("--slab-bytes", default=None,
+                   help="keras_lms.wrap(slab_bytes=...): run full-resolution layers in slabs of this size, e.g. "
+                        "128MiB (TensorFlow; 0 turns slabs off)")
     g.add_argument("--budget", default=None,
                    help="device budget, e.g. 6GiB: keras_lms.wrap(device_budget=...) offloads only what the step "
                         "needs to fit (implies --lms)")

@@ -72,7 +72,7 @@ def broadcast_int(rt: Runtime, value: int) -> int:
 def wrap_kwargs(args) -> dict:
     kwargs = {}
     for flag, key in (("min_bytes", "min_bytes"), ("keep_last", "keep_last"), ("prefetch", "prefetch"),
-                      ("budget", "device_budget")):
+                      ("slab_bytes", "slab_bytes"), ("budget", "device_budget")):
         value = getattr(args, flag)
         if value is not None:
             kwargs[key] = int(value) if isinstance(value, str) and value.isdigit() else value

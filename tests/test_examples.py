@@ -88,6 +88,9 @@ def test_parse_args_rejects_indivisible_size(capsys):
     args = cli.parse_args(task, ["--volume", "32", "--budget", "6GiB", "--no-lms", "--min-bytes", "0"])
     assert args.lms is True  # a budget implies LMS
     assert runtime.wrap_kwargs(args) == {"min_bytes": 0, "device_budget": "6GiB"}
+    args = cli.parse_args(task, ["--volume", "32", "--slab-bytes", "128MiB"])
+    assert runtime.wrap_kwargs(args) == {"slab_bytes": "128MiB"}
+    assert runtime.wrap_kwargs(cli.parse_args(task, ["--volume", "32", "--slab-bytes", "0"])) == {"slab_bytes": 0}
 
 
 # ------------------------------------------------------------------------------------------------- data
