@@ -162,11 +162,14 @@ def test_rank_added_mid_run_joins_with_the_committed_state(tmp_path):
 
 def test_control_without_retrace_the_added_rank_trains_apart(tmp_path):
     """Negative control: the old rank keeps its step traced for one rank (no allreduce), the new one traced for
-    two waits in its allreduce: the job hangs (killed at the timeout) or, if it ends, the weights differ."""
+    two waits in its allreduce: once the new rank has joined, the job hangs (killed at the timeout) or, if it
+    ends, the weights differ."""
     job = ElasticJob(tmp_path, [f"{HOSTS[0]}:1"], 1, 1, 2, env={"ELASTIC_CONTROL": "no_retrace",
                                                                  "ELASTIC_EPOCHS": "3", "ELASTIC_STEPS": "8"})
     rc, log, _ = job.run(when=after_commit(1, 1), then=lambda: job.set_hosts([f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"]),
-                         timeout=75)
+                         timeout=60)
+    joined = [e for e in job.events() if e["event"] in ("start", "reset") and e["size"] == 2]
+    assert joined, f"the second rank never joined, so the control shows nothing:\n{tail(log)}"
     finals = job.finals()
     assert rc is None or rc != 0 or len({f["weights"] for f in finals}) > 1, finals
 
