@@ -29,6 +29,25 @@ XLA_MESSAGE = (
 )
 
 
+def _check_wrappable(model) -> None:
+    """The errors for a model that cannot be wrapped, each naming the fix."""
+    if isinstance(model, LMSModel):
+        raise ValueError(
+            f"Model {model.name!r} is already wrapped by keras-lms. Use it as is, or wrap "
+            "keras_lms.unwrap(model) to change the settings."
+        )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"keras_lms.wrap expects a keras.Model; got {type(model).__name__}. "
+            "Put a single layer into a model first, e.g. keras.Sequential([keras.Input(shape), layer])."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its layers have no weights to offload around. Build it first: "
+            "give it an Input (keras.Input(shape=...)), call model.build(input_shape), or call it on one batch."
+        )
+
+
 @keras.saving.register_keras_serializable(package="keras_lms")
 class LMSModel(keras.Model):
     """A `keras.Model` that trains `inner_model` with its large activations kept in host memory.
@@ -78,12 +97,22 @@ class LMSModel(keras.Model):
     """
 
     def __init__(self, model: keras.Model, config: LMSConfig | None = None, **kwargs):
+        # Checked here, not only in wrap(): `LMSModel(model, config)` is documented, and loading calls it too.
+        _check_wrappable(model)
+        if config is not None and not isinstance(config, LMSConfig):
+            raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")
         kwargs.setdefault("name", f"{model.name}_lms")
         super().__init__(**kwargs)
         self._offload = offload.active_backend()
         self.inner_model = model
         self.lms_config = config if config is not None else LMSConfig()
-        self._structure = graph.model_structure(model)
+        self._structure = graph.model_structure(model)  # the one walk of the model
+        nested_wrapped = [m.name for m in self._structure.models[1:] if isinstance(m, LMSModel)]
+        if nested_wrapped:
+            raise ValueError(
+                f"Model {model.name!r} contains wrapped model(s) {nested_wrapped}. Wrap only the outermost model: "
+                "replace the inner ones by keras_lms.unwrap(inner)."
+            )
         policy.check_selector_names(self.lms_config, self._structure.names)
         self._offload.validate_host_device(self.lms_config.host_device)
         self._plans = {}

@@ -6,7 +6,6 @@ import dataclasses
 
 import keras
 
-from keras_lms import graph
 from keras_lms.config import LMSConfig
 from keras_lms.model import LMSModel
 
@@ -82,33 +81,11 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
     assert keras_lms.unwrap(wrapped) is model
     ```
     """
-    if isinstance(model, LMSModel):
-        raise ValueError(
-            f"Model {model.name!r} is already wrapped by keras-lms. Use it as is, or wrap "
-            "keras_lms.unwrap(model) to change the settings."
-        )
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"keras_lms.wrap expects a keras.Model; got {type(model).__name__}. "
-            "Put a single layer into a model first, e.g. keras.Sequential([keras.Input(shape), layer])."
-        )
-    if not model.built:
-        raise ValueError(
-            f"Model {model.name!r} is not built, so its layers have no weights to offload around. Build it first: "
-            "give it an Input (keras.Input(shape=...)), call model.build(input_shape), or call it on one batch."
-        )
-    nested_wrapped = [m.name for m in graph.model_structure(model).models[1:] if isinstance(m, LMSModel)]
-    if nested_wrapped:
-        raise ValueError(
-            f"Model {model.name!r} contains wrapped model(s) {nested_wrapped}. Wrap only the outermost model: "
-            "replace the inner ones by keras_lms.unwrap(inner)."
-        )
+    # The model itself is checked by LMSModel's constructor (also for `LMSModel(model, config)` and loading).
     given = dict(min_bytes=min_bytes, keep_last=keep_last, include=include, exclude=exclude,
                  host_device=host_device, prefetch=prefetch, device_budget=device_budget,
                  lean_normalization=lean_normalization, slab_bytes=slab_bytes)
     if config is not None:
-        if not isinstance(config, LMSConfig):
-            raise TypeError(f"config must be a keras_lms.LMSConfig; got {type(config).__name__}.")
         changed = sorted(k for k, v in given.items() if v != _DEFAULTS[k])
         if changed:
             raise ValueError(f"Pass either config= or keyword settings, not both (got config and {changed}).")

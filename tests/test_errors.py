@@ -105,3 +105,22 @@ def test_selectors_by_class_name_and_predicate(model):
     assert any(e.offloaded for e in by_pred.lms_plan)
     x = np.zeros((2, 16, 16, 3), "float32")
     by_class(x, training=True)  # runs
+
+
+def test_the_constructor_checks_like_wrap_and_walks_the_model_once(model, monkeypatch):
+    """`LMSModel(model, config)` is documented: it refuses what wrap() refuses, and the model is walked once."""
+    with pytest.raises(TypeError, match="expects a keras.Model"):
+        keras_lms.LMSModel(keras.layers.Dense(3))
+    with pytest.raises(ValueError, match="not built.*model.build"):
+        keras_lms.LMSModel(keras.Sequential([keras.layers.Dense(3)]))
+    with pytest.raises(ValueError, match="already wrapped.*unwrap"):
+        keras_lms.LMSModel(keras_lms.wrap(model))
+    with pytest.raises(TypeError, match="config must be a keras_lms.LMSConfig"):
+        keras_lms.LMSModel(model, {"min_bytes": 0})
+    from keras_lms import graph
+
+    walks = []
+    real = graph.model_structure
+    monkeypatch.setattr(graph, "model_structure", lambda m: walks.append(m.name) or real(m))
+    keras_lms.wrap(model)
+    assert walks == [model.name], walks
