@@ -56,7 +56,7 @@ def test_pool_drops_buffers_of_sizes_no_longer_used():
 def test_pool_is_reused_across_training_steps():
     model = models.unet2d()
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
-    pool = lms_torch.host_pool()
+    pool = lms_torch.offloader_of(wrapped).pool  # the model's own (tests/torch/test_offloader_state.py)
     x = torch.rand(2, 32, 32, 1)
 
     def step():

@@ -34,6 +34,11 @@ For every offloaded layer call ``y = layer(x)`` (the contract of ``keras_lms.off
    calls with a linear activation are not either (``lean_conv``): ``aten.convolution_backward`` on the
    swapped-in input, bit-identical to autograd.
 
+Each wrapped model owns its offloader state (``offloader.Offloader``, ``offloader_of(wrapped)``): its host buffer
+pool, its transfer counters and its settings, so two wrapped models in one process (a GAN's generator and
+discriminator, models trained alternately) neither evict each other's pooled buffers nor count each other's bytes.
+Only the copy streams, one per device, are shared; ``transfer_stats()`` is the total of every model.
+
 On a machine without CUDA nothing is copied: the "host copy" is the tensor itself (``CPU_HOST_COPIES = True``
 makes it a real copy into pool buffers, which the tests use). The recompute, its numerics and the scheduling
 are the same, so CPU CI tests the logic.
@@ -46,14 +51,15 @@ reference cycle until Python's cyclic collector runs; the forward pass and each 
 ``_keras_adapter.acyclic_torch_trees``, so an offloaded original dies when its last forward consumer is done
 (also with ``gc.disable()``; ``tests/torch/test_memory.py``).
 
-The modules: ``stats`` (transfer counters), ``pool`` (host buffer pool), ``transfer`` (copy streams, host copies,
-swap-ins, back-pressure), ``rng`` (RNG states for the recompute), ``function`` (the autograd Function and the
-per-call record), ``no_recompute`` (output-based gradients, plain structural layers), ``lean_norm``
-(BatchNorm's backward from the forward's statistics), ``lean_conv`` (a convolution's backward without
-recompute), ``step`` (the step
-context and swap-in scheduling), ``tracing`` (the planning trace) and ``devices`` (host device, memory readings).
-This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the settings
-``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``, which ``transfer`` reads from here when it uses them.
+The modules: ``stats`` (transfer counters), ``pool`` (host buffer pool), ``offloader`` (a model's pool, counters
+and settings), ``transfer`` (copy streams, host copies, swap-ins, back-pressure), ``rng`` (RNG states for the
+recompute), ``function`` (the autograd Function and the per-call record), ``no_recompute`` (output-based gradients,
+plain structural layers), ``lean_norm`` (BatchNorm's backward from the forward's statistics), ``lean_conv`` (a
+convolution's backward without recompute), ``step`` (the step context and swap-in scheduling), ``tracing`` (the
+planning trace) and ``devices`` (host device, memory readings).
+This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the default
+settings ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``: a model's step reads them from here when it starts, unless
+the model was given its own (``offloader_of(wrapped).cpu_host_copies`` / ``.max_inflight_bytes``).
 """
 
 from __future__ import annotations
@@ -68,13 +74,15 @@ from keras_lms.offload.torch.devices import (
 )
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
+from keras_lms.offload.torch.offloader import Offloader, offloader_of
 from keras_lms.offload.torch.pool import HostBufferPool, clear_host_pool, host_pool
 from keras_lms.offload.torch.rng import _RngState
-from keras_lms.offload.torch.stats import TransferStats, reset_transfer_stats, transfer_stats
+from keras_lms.offload.torch.stats import TransferCounter, TransferStats, reset_transfer_stats, transfer_stats
 from keras_lms.offload.torch.step import StepContext, swap_in_order
 from keras_lms.offload.torch.tracing import example_inputs, signature_of, spec_for, trace_calls
 from keras_lms.offload.torch.transfer import Transfer, _HostCopy, _SwapIn
 
+# The defaults of every wrapped model's settings (Offloader), read when one of its steps starts.
 # On a machine without CUDA, copy offloaded tensors into pool buffers instead of keeping them (tests).
 CPU_HOST_COPIES = False
 
@@ -89,7 +97,7 @@ __all__ = [
     "input_gradient_from_output", "offloadable_reason", "reset_device_peak", "signature_of", "spec_for",
     "trace_calls", "validate_host_device",
     # the machinery (tests and benchmarks)
-    "HostBufferPool", "Transfer", "TransferStats", "clear_host_pool", "host_pool", "reset_transfer_stats",
-    "runs_plainly", "swap_in_order", "transfer_stats",
+    "HostBufferPool", "Offloader", "Transfer", "TransferCounter", "TransferStats", "clear_host_pool", "host_pool",
+    "offloader_of", "reset_transfer_stats", "runs_plainly", "swap_in_order", "transfer_stats",
     "_CallRecord", "_HostCopy", "_OffloadedFunction", "_RngState", "_SwapIn",
 ]

@@ -10,7 +10,6 @@ import torch
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
 from keras_lms.offload.torch import lean_conv, lean_norm
-from keras_lms.offload.torch.stats import count
 
 
 def _is_float(t: torch.Tensor) -> bool:
@@ -96,7 +95,7 @@ class _CallRecord:
                 continue
             swap = host.resident
             if swap is not None:
-                count(shared_swap_ins=1)
+                self.step.count(shared_swap_ins=1)
             else:
                 swap = self.transfer.to_device(host)
                 others = host.output_pending - (1 if host is self.output_host else 0)
@@ -138,7 +137,7 @@ class _CallRecord:
         x = kept if host is None else self.swaps[id(host)].get()
         if grads[0] is None:
             return [None] * (1 + len(self.trainable))
-        count(lean_normalization_calls=1)
+        self.step.count(lean_normalization_calls=1)
         dx, param_grads = lean_norm.backward(self.unit, x, grads[0], self.trainable, self.moments)
         return [dx] + param_grads
 
@@ -148,7 +147,7 @@ class _CallRecord:
         x = kept if host is None else self.swaps[id(host)].get()
         if grads[0] is None:
             return [None] * (1 + len(self.trainable))
-        count(lean_convolution_calls=1)
+        self.step.count(lean_convolution_calls=1)
         dx, param_grads = lean_conv.backward(self.unit, x, grads[0], self.trainable, self.autocast)
         return [dx] + param_grads
 

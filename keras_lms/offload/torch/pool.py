@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -32,6 +33,7 @@ class HostBufferPool:
         self.allocations = 0
         self.reuses = 0
         self.lent = 0
+        _LIVE_POOLS.add(self)
 
     @staticmethod
     def key(shape, dtype, stride=None) -> tuple:
@@ -76,11 +78,13 @@ class HostBufferPool:
             self._last_used.clear()
 
 
+_LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()  # every pool still in use (for clear_host_pool)
 _POOL: HostBufferPool | None = None
 
 
 def host_pool() -> HostBufferPool:
-    """The process-wide host buffer pool (pinned when CUDA is available)."""
+    """The pool of a ``Transfer`` made without one (tests); a wrapped model steps with its own
+    (``offloader_of(model).pool``)."""
     global _POOL
     if _POOL is None:
         _POOL = HostBufferPool()
@@ -88,9 +92,10 @@ def host_pool() -> HostBufferPool:
 
 
 def clear_host_pool() -> None:
-    """Free the idle host buffers (e.g. between runs at different input sizes)."""
-    if _POOL is not None:
-        _POOL.clear()
+    """Free the idle host buffers of every pool, each wrapped model's included (e.g. between runs at different
+    input sizes)."""
+    for pool in list(_LIVE_POOLS):
+        pool.clear()
 
 
 def layout_of(tensor: torch.Tensor) -> tuple:

@@ -17,9 +17,8 @@ from keras_lms.offload.torch import lean_conv, lean_norm
 from keras_lms.offload.torch.devices import validate_host_device
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
-from keras_lms.offload.torch.pool import host_pool
+from keras_lms.offload.torch.offloader import offloader_for
 from keras_lms.offload.torch.rng import _RngState
-from keras_lms.offload.torch.stats import count
 from keras_lms.offload.torch.tracing import TENSOR_FACTS
 from keras_lms.offload.torch.transfer import Transfer, _HostCopy
 
@@ -40,7 +39,8 @@ class StepContext(common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode (torch).
 
     Lives as long as the backward pass of that step needs it: every offloaded call's autograd node holds its
-    record, which holds this context; the context indexes the records weakly.
+    record, which holds this context; the context indexes the records weakly. It runs with the wrapped model's
+    ``Offloader`` (the one of ``structure``): that model's pool, counters and settings, fixed for the step.
     """
 
     def __init__(self, config, structure, plan, eager: bool = True):
@@ -48,7 +48,10 @@ class StepContext(common.InterceptingContext):
         self.host_copies = WeakIdKeyDictionary()  # device tensor (weakly) -> _HostCopy
         self.records = weakref.WeakValueDictionary()  # call index -> _CallRecord (offloaded calls)
         self.transfers = {}  # device -> Transfer
-        self.pool = host_pool()
+        self.offloader = offloader_for(structure)
+        self.settings = self.offloader.settings()
+        self.pool = self.offloader.pool
+        self.count = self.offloader.stats.count
         self.pool.new_step()
         self._lock = threading.RLock()
 
@@ -62,7 +65,9 @@ class StepContext(common.InterceptingContext):
     def transfer(self, device) -> Transfer:
         transfer = self.transfers.get(device)
         if transfer is None:
-            transfer = self.transfers[device] = Transfer(device, self.pool)
+            transfer = self.transfers[device] = Transfer(
+                device, self.pool, copies=self.settings["cpu_host_copies"],
+                max_inflight_bytes=self.settings["max_inflight_bytes"], stats=self.offloader.stats)
         return transfer
 
     # ----------------------------------------------------------------------------------- forward
@@ -70,7 +75,7 @@ class StepContext(common.InterceptingContext):
         tensors = [leaf for leaf in keras.tree.flatten((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded or not self._needs_graph(unit, tensors) or runs_plainly(unit, kwargs):
-            count(plain_calls=1)
+            self.count(plain_calls=1)
             return original(*args, **kwargs)
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
@@ -141,7 +146,7 @@ class StepContext(common.InterceptingContext):
                 host.pending += 1
                 host.output_pending += 1
                 record.output_host = host
-                count(output_gradient_calls=1)
+                self.count(output_gradient_calls=1)
         for loss in losses:
             unit.add_loss(loss)
         if is_layer:
@@ -151,7 +156,7 @@ class StepContext(common.InterceptingContext):
                     record.snapshot[j] = old.detach().clone()
                     var.assign(new)
         self.records[index] = record
-        count(offloaded_calls=1)
+        self.count(offloaded_calls=1)
         return outputs
 
     # ---------------------------------------------------------------------------------- backward

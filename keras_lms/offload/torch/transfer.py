@@ -1,25 +1,21 @@
 """Moving tensors between a compute device and host memory: copy streams, host copies, swap-ins, back-pressure.
 
-``Transfer`` reads the package's settings ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES`` from
-``keras_lms.offload.torch`` when it uses them, so setting them there (tests, benchmarks) takes effect.
+A wrapped model's step makes its ``Transfer`` objects with that model's pool, counters and settings (its
+``Offloader``). A ``Transfer`` made without them (tests) uses ``host_pool()``, counts into the process-wide total
+only, and reads the package defaults ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES`` when it uses them. The copy
+streams, one per device, are the only state shared by all models: they hold nothing of any model.
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import threading
 
 import torch
 
+from keras_lms.offload.torch.offloader import package_default
 from keras_lms.offload.torch.pool import HostBufferPool, host_pool, layout_of
-from keras_lms.offload.torch.stats import count
-
-
-def _setting(name: str):
-    """The value of a setting of the ``keras_lms.offload.torch`` package, read now."""
-    return getattr(sys.modules[__package__], name)
-
+from keras_lms.offload.torch.stats import TransferCounter, count
 
 _COPY_STREAMS: dict = {}
 
@@ -103,15 +99,22 @@ class Transfer:
 
     Back-pressure: a device tensor being copied to host stays allocated until its copy has run. When the forward
     pass computes faster than the link copies, those tensors would pile up on the device, so once the bytes of
-    unfinished device-to-host copies exceed ``max(MAX_INFLIGHT_BYTES, 2 x the tensor at hand)`` the host thread
+    unfinished device-to-host copies exceed ``max(max_inflight_bytes, 2 x the tensor at hand)`` the host thread
     waits for the oldest copy (the device keeps computing what is already queued).
+
+    ``copies`` / ``max_inflight_bytes``: None reads the package default (``CPU_HOST_COPIES`` now,
+    ``MAX_INFLIGHT_BYTES`` at each copy). ``stats``: the counter to count into (a model's), else the process-wide
+    total.
     """
 
-    def __init__(self, device: torch.device, pool: HostBufferPool | None = None, copies: bool | None = None):
+    def __init__(self, device: torch.device, pool: HostBufferPool | None = None, copies: bool | None = None,
+                 max_inflight_bytes: int | None = None, stats: TransferCounter | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.copies = self.cuda or (_setting("CPU_HOST_COPIES") if copies is None else copies)
+        self.copies = self.cuda or bool(package_default("CPU_HOST_COPIES") if copies is None else copies)
+        self.max_inflight_bytes = max_inflight_bytes
         self.pool = pool if pool is not None else host_pool()
+        self.count = stats.count if stats is not None else count
         self.stream = _copy_stream(self.device) if self.cuda else None
         self._inflight = collections.deque()  # (event, nbytes) of device-to-host copies, oldest first
         self._inflight_bytes = 0
@@ -121,7 +124,8 @@ class Transfer:
         with self._inflight_lock:
             self._inflight.append((event, nbytes))
             self._inflight_bytes += nbytes
-            limit = max(_setting("MAX_INFLIGHT_BYTES"), 2 * nbytes)
+            inflight = self.max_inflight_bytes
+            limit = max(package_default("MAX_INFLIGHT_BYTES") if inflight is None else inflight, 2 * nbytes)
             while self._inflight and (self._inflight_bytes > limit or self._inflight[0][0].query()):
                 oldest, size = self._inflight.popleft()
                 oldest.synchronize()  # no-op when query() said it is done
@@ -144,7 +148,7 @@ class Transfer:
             self._throttle(event, nbytes)
         else:
             buffer.copy_(source)
-        count(d2h_bytes=nbytes, d2h_copies=1)
+        self.count(d2h_bytes=nbytes, d2h_copies=1)
         return _HostCopy(buffer, self.pool, nbytes)
 
     def to_device(self, host: _HostCopy) -> _SwapIn:
@@ -156,7 +160,7 @@ class Transfer:
         if not self.copies:
             return _SwapIn(host.buffer)
         if not self.cuda:
-            count(h2d_bytes=host.nbytes, h2d_copies=1)
+            self.count(h2d_bytes=host.nbytes, h2d_copies=1)
             return _SwapIn(host.buffer.clone())
         compute = torch.cuda.current_stream(self.device)
         # Allocated on the compute stream (where it is used and freed); the copy stream waits for the work
@@ -169,5 +173,5 @@ class Transfer:
             tensor.copy_(host.buffer, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        count(h2d_bytes=host.nbytes, h2d_copies=1)
+        self.count(h2d_bytes=host.nbytes, h2d_copies=1)
         return _SwapIn(tensor, event, self.device)
