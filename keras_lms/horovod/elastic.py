@@ -146,17 +146,12 @@ class KerasState(ObjectState):
     model = keras_lms.wrap(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss="mse", jit_compile=False)
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(1e-3 * hvd.size())])
-
-    @hvd.elastic.run
-    def train(state):
-        x, y = np.zeros((8, 4)), np.zeros((8, 1))  # build the rank's shard here: rank and size change at resets
-        return model.fit(x, y, batch_size=4, epochs=2, initial_epoch=state.epoch, verbose=0, callbacks=[
-            hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
-            hvd.elastic.CommitStateCallback(state)])
-
-    train(state)
-    assert state.epoch == 2 and state.batch == 0
+    state.sync()  # builds the optimizer, takes rank 0's state, commits
+    committed = model.get_weights()
+    model.set_weights([w + 1 for w in committed])  # uncommitted changes ...
+    state.batch = 5
+    state.restore()  # ... undone, as after a lost rank
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), committed)) and state.batch == 0
     ```
     """
 
