@@ -224,6 +224,9 @@ def test_reset_retraces_and_rechecks_host_memory_for_the_ranks_now_on_the_node(m
     import keras_lms.horovod as hvd
     from keras_lms import memory
 
+    # init() sets the per-rank host-memory limit in os.environ when it is unset; jobs launched by later tests
+    # inherit the environment, so keep it out of this process's environment after the test.
+    monkeypatch.setenv("TF_GPU_HOST_MEM_LIMIT_IN_MB", os.environ.get("TF_GPU_HOST_MEM_LIMIT_IN_MB", "1024"))
     hvd.init()
     inp = keras.Input((16, 16, 1))
     x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
