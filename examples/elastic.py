@@ -12,8 +12,6 @@ is re-sharded after a reset: build the shard inside the decorated function, neve
 
 from __future__ import annotations
 
-import keras_lms.horovod as hvd
-
 if __package__:  # imported as examples.elastic
     from . import data as data_lib
     from .callbacks import make_callbacks
@@ -26,11 +24,15 @@ else:  # python examples/segmentation_3d.py: examples/ is on sys.path
 
 def current_runtime() -> Runtime:
     """This process' place in the job *now* (it changes at every reset)."""
+    import keras_lms.horovod as hvd  # only with --elastic: Horovod needs the TensorFlow back end
+
     return Runtime(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), hvd=hvd)
 
 
 def fit_elastic(args, task, model, out, history: list, meta: dict, initial_epoch: int, log=print) -> dict:
     """Train ``model`` elastically from ``initial_epoch`` to ``args.epochs``; returns the last fit's history."""
+    import keras_lms.horovod as hvd  # only with --elastic: Horovod needs the TensorFlow back end
+
     state = hvd.elastic.KerasState(model, batch=0, epoch=initial_epoch)
     # The learning rate follows the number of ranks (the warm-up and schedule callbacks are rebuilt, too).
     state.register_reset_callbacks([
