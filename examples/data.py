@@ -45,6 +45,23 @@ def make_datasets(kind: str, spatial_shape, *, data_dir=None, batch_size=2, step
     return train, val, train.channels
 
 
+def datasets_for(args, task, rank: int, size: int):
+    """``(train, val, channels)`` for the example's flags and this rank's shard (``make_datasets``)."""
+    return make_datasets(
+        task.kind, task.spatial_shape(args), data_dir=args.data_dir, batch_size=args.batch_size,
+        steps=args.steps_per_epoch, val_steps=args.val_steps, seed=args.seed, rank=rank, size=size,
+        val_fraction=args.val_fraction, workers=args.workers, use_multiprocessing=args.use_multiprocessing,
+        max_queue_size=args.max_queue_size)
+
+
+def fit_inputs(args, train, val):
+    """What ``fit`` is given for ``--loader``: the PyDatasets themselves, or ``tf.data`` over them."""
+    if args.loader == "tfdata":
+        return to_tf_dataset(train, args.workers, args.max_queue_size), to_tf_dataset(val, args.workers,
+                                                                                      args.max_queue_size)
+    return train, val
+
+
 def to_tf_dataset(dataset: _Sharded, parallel_calls: int = 1, prefetch: int = 2):
     """A ``tf.data.Dataset`` over the batches of ``dataset`` with *static* batch shapes, prefetched.
 

@@ -44,16 +44,8 @@ def fit_elastic(args, task, model, out, history: list, meta: dict, initial_epoch
     @hvd.elastic.run
     def train(state):
         rt = current_runtime()
-        train_ds, val_ds, _ = data_lib.make_datasets(
-            task.kind, task.spatial_shape(args), data_dir=args.data_dir, batch_size=args.batch_size,
-            steps=args.steps_per_epoch, val_steps=args.val_steps, seed=args.seed, rank=rt.rank, size=rt.size,
-            val_fraction=args.val_fraction, workers=args.workers, use_multiprocessing=args.use_multiprocessing,
-            max_queue_size=args.max_queue_size)
-        if args.loader == "tfdata":
-            train_data = data_lib.to_tf_dataset(train_ds, args.workers, args.max_queue_size)
-            val_data = data_lib.to_tf_dataset(val_ds, args.workers, args.max_queue_size)
-        else:
-            train_data, val_data = train_ds, val_ds
+        train_ds, val_ds, _ = data_lib.datasets_for(args, task, rt.rank, rt.size)
+        train_data, val_data = data_lib.fit_inputs(args, train_ds, val_ds)
         callbacks = [
             hvd.elastic.UpdateEpochStateCallback(state),
             hvd.elastic.UpdateBatchStateCallback(state),

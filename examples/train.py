@@ -37,11 +37,7 @@ def run(task: Task, argv=None) -> dict | None:
     if rt.is_root:
         out.mkdir(parents=True, exist_ok=True)
 
-    train_ds, val_ds, channels = data_lib.make_datasets(
-        task.kind, task.spatial_shape(args), data_dir=args.data_dir, batch_size=args.batch_size,
-        steps=args.steps_per_epoch, val_steps=args.val_steps, seed=args.seed, rank=rt.rank, size=rt.size,
-        val_fraction=args.val_fraction, workers=args.workers, use_multiprocessing=args.use_multiprocessing,
-        max_queue_size=args.max_queue_size)
+    train_ds, val_ds, channels = data_lib.datasets_for(args, task, rt.rank, rt.size)
 
     if args.dry_run:
         return dry_run(args, task, channels, rt, out) if rt.is_root else None
@@ -57,11 +53,6 @@ def run(task: Task, argv=None) -> dict | None:
     # fresh weights, which BroadcastGlobalVariablesCallback replaces by rank 0's before the first update.
     restore = out / CHECKPOINT if initial_epoch and (out / CHECKPOINT).exists() else None
     model, base = build_model(args, task, channels, rt, restore)
-    if args.loader == "tfdata":
-        train_data = data_lib.to_tf_dataset(train_ds, args.workers, args.max_queue_size)
-        val_data = data_lib.to_tf_dataset(val_ds, args.workers, args.max_queue_size)
-    else:
-        train_data, val_data = train_ds, val_ds
     history = list(state.get("history", [])) if state else []
     if initial_epoch:
         rt.log(f"Resuming from {out / CHECKPOINT} after epoch {initial_epoch}.")
@@ -72,8 +63,6 @@ def run(task: Task, argv=None) -> dict | None:
            f"{'LMS ' + str(wrap_kwargs(args) or 'defaults') if args.lms else 'no LMS'}, "
            f"data: {args.data_dir or 'synthetic'}, out: {out}")
     meta = {"example": task.name, "args": vars(args)}
-    callbacks = make_callbacks(args, rt, out, history, resumed=bool(initial_epoch), meta=meta, train_ds=train_ds)
-    verbose = args.verbose if rt.is_root else 0
 
     t0 = time.perf_counter()
     fit_history = {}
@@ -81,9 +70,13 @@ def run(task: Task, argv=None) -> dict | None:
         fit_history = fit_elastic(args, task, model, out, history, meta, initial_epoch, log=rt.log)
         rt = type(rt)(rank=rt.hvd.rank(), size=rt.hvd.size(), local_rank=rt.hvd.local_rank(), hvd=rt.hvd)
     elif initial_epoch < args.epochs:
+        train_data, val_data = data_lib.fit_inputs(args, train_ds, val_ds)
+        callbacks = make_callbacks(args, rt, out, history, resumed=bool(initial_epoch), meta=meta,
+                                   train_ds=train_ds)
         with data_lib.data_errors_in_one_line(train_ds, val_ds):
             fit_history = model.fit(train_data, validation_data=val_data, epochs=args.epochs,
-                                    initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose).history
+                                    initial_epoch=initial_epoch, callbacks=callbacks,
+                                    verbose=args.verbose if rt.is_root else 0).history
     else:
         rt.log(f"Already trained for {initial_epoch} >= --epochs {args.epochs} epochs; nothing to train.")
     train_seconds = time.perf_counter() - t0

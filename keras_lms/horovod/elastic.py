@@ -32,11 +32,6 @@ from .callbacks import broadcast_variables
 ObjectState = _common.ObjectState
 State = _common.State
 
-# Substrings of the TensorFlow error a Horovod collective raises when a peer is gone (its op type, or the
-# message Horovod gives every later collective once its background loop has stopped).
-_COLLECTIVE_FAILURE = ("Horovod", "horovod")
-
-
 def is_collective_failure(error: BaseException) -> bool:
     """True for the TensorFlow error a Horovod collective raises when the job lost a rank.
 
@@ -45,7 +40,8 @@ def is_collective_failure(error: BaseException) -> bool:
     """
     if not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.InvalidArgumentError):
         return False
-    return any(s in (error.message or "") for s in _COLLECTIVE_FAILURE)
+    # The message names the Horovod op that failed, or says Horovod's background loop has stopped.
+    return "horovod" in (error.message or "").lower()
 
 
 def run(func):
