@@ -313,6 +313,22 @@ class LMSModel(keras.Model):
             self._last_plan = self.plan(batch_size=1)
         return self._last_plan
 
+    # Plans are per input signature and sized for the world they were made in (the host-RAM guard counts the
+    # ranks on the node): an elastic commit saves them with the weights, a reset forgets them.
+    def plan_cache(self) -> tuple:
+        """A copy of the cached offload plans and the last plan (`keras_lms.horovod.elastic` commits it)."""
+        return dict(self._plans), self._last_plan
+
+    def restore_plan_cache(self, cache: tuple) -> None:
+        """Put back what `plan_cache()` returned (an elastic restore)."""
+        plans, last = cache
+        self._plans = dict(plans)
+        self._last_plan = last
+
+    def forget_plans(self) -> None:
+        """Drop every cached plan: the next training step re-plans and re-runs the host-memory guard."""
+        self._plans = {}
+
     @property
     def offloaded_bytes_per_step(self) -> int:
         """Host bytes of the last traced training step (each offloaded tensor counted once)."""
