@@ -32,13 +32,11 @@ from keras_lms._keras_adapter import check_keras_version as _check_keras_version
 
 _check_keras_version()
 
-from keras_lms import callbacks, planner  # noqa: E402 - after the Keras version check
 from keras_lms.callbacks import BackupAndRestore, BackupError, MemoryHighWaterMark  # noqa: E402
 from keras_lms.config import LMSConfig  # noqa: E402
 from keras_lms.memory import HostMemoryError  # noqa: E402
 from keras_lms.model import LMSModel  # noqa: E402
-from keras_lms.planner import BudgetError  # noqa: E402
-from keras_lms.policy import PlanEntry  # noqa: E402
+from keras_lms.planning import BudgetError, PlanEntry  # noqa: E402
 from keras_lms.report import ActivationReport, report  # noqa: E402
 from keras_lms.wrapping import unwrap, wrap  # noqa: E402
 
@@ -59,8 +57,5 @@ __all__ = [
     "BudgetError",
     "HostMemoryError",
     "BackupError",
-    # modules
-    "callbacks",
-    "planner",
     "__version__",
 ]

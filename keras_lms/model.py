@@ -16,7 +16,8 @@ import types
 import keras
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import batching, graph, memory, offload, planner, policy, saving
+from keras_lms import batching, memory, offload, planning, saving
+from keras_lms.planning import rules
 from keras_lms.config import LMSConfig
 
 # Training/evaluation hooks a model may override; an overridden one is run on the inner model (see train_step).
@@ -106,14 +107,14 @@ class LMSModel(keras.Model):
         self._offload = offload.active_backend()
         self.inner_model = model
         self.lms_config = config if config is not None else LMSConfig()
-        self._structure = graph.model_structure(model)  # the one walk of the model
+        self._structure = planning.model_structure(model)  # the one walk of the model
         nested_wrapped = [m.name for m in self._structure.models[1:] if isinstance(m, LMSModel)]
         if nested_wrapped:
             raise ValueError(
                 f"Model {model.name!r} contains wrapped model(s) {nested_wrapped}. Wrap only the outermost model: "
                 "replace the inner ones by keras_lms.unwrap(inner)."
             )
-        policy.check_selector_names(self.lms_config, self._structure.names)
+        rules.check_selector_names(self.lms_config, self._structure.names)
         self._offload.validate_host_device(self.lms_config.host_device)
         self._plans = {}
         self._last_plan = None
@@ -153,11 +154,11 @@ class LMSModel(keras.Model):
     # inner model's `call` is shadowed so that every training forward pass (`self(x, training=True)`) is
     # offloaded like `LMSModel.call`.
     @property
-    def lms_structure(self) -> graph.ModelStructure:
+    def lms_structure(self) -> planning.ModelStructure:
         """The offload units of `inner_model` (read-only, found when the wrapper is made; `keras_lms.report` uses it).
 
         Returns:
-            A `keras_lms.graph.ModelStructure`: `units` (the intercepted layers and `keras.ops` nodes, in discovery
+            A `keras_lms.planning.ModelStructure`: `units` (the intercepted layers and `keras.ops` nodes, in discovery
             order), `models` (`inner_model` and every model nested in it), `unit_models` (`id(unit)` -> the names
             of its enclosing models, outermost first) and `names` (what `include`/`exclude` may name).
 
@@ -233,24 +234,20 @@ class LMSModel(keras.Model):
             kwargs = {k: v for k, v in kwargs.items() if k != "_extra_args"}
             self._offload_depth += 1  # the trace calls the inner model: no offloading inside it
             try:
-                calls = self._offload.trace_calls(self.inner_model, self._structure, inputs, kwargs)
+                plan = self._plan_step(inputs, kwargs, self._batch_hint or 1).entries
             finally:
                 self._offload_depth -= 1
-            plan = planner.build_plan(calls, self.lms_config, batch_size=self._batch_hint or 1,
-                                     **self._non_activation_bytes())
-            memory.check_host_memory(policy.host_bytes_per_step(plan))
+            memory.check_host_memory(planning.host_bytes_per_step(plan))
             self._plans[key] = plan
         return plan
 
+    def _plan_step(self, inputs, kwargs, batch_size: int) -> planning.StepPlan:
+        return planning.plan_step(self._offload, self.inner_model, self._structure, self.lms_config, inputs, kwargs,
+                                  batch_size, getattr(self, "optimizer", None))
+
     def static_bytes(self) -> int:
         """Device bytes of weights, gradients and optimizer state (the planner's non-activation memory)."""
-        return planner.static_bytes(self.inner_model, getattr(self, "optimizer", None))
-
-    def _non_activation_bytes(self) -> dict:
-        """What the planner adds to the activations: static bytes and the optimizer update's temporaries."""
-        optimizer = getattr(self, "optimizer", None)
-        return dict(static_bytes=self.static_bytes(),
-                    update_bytes=planner.update_temporary_bytes(self.inner_model, optimizer))
+        return planning.static_bytes(self.inner_model, self._offload.memory_facts(), getattr(self, "optimizer", None))
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.fit`; first notes the batch size that will arrive, which the offload plan needs.
@@ -300,8 +297,7 @@ class LMSModel(keras.Model):
                 f"Cannot plan for model {self.inner_model.name!r}: it does not record its input shape. "
                 "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
             )
-        calls = self._offload.trace_calls(self.inner_model, self._structure, specs, {})
-        return planner.build_plan(calls, self.lms_config, batch_size=batch_size, **self._non_activation_bytes())
+        return self._plan_step(specs, {}, batch_size).entries
 
     @property
     def lms_plan(self) -> list:
@@ -332,7 +328,7 @@ class LMSModel(keras.Model):
     @property
     def offloaded_bytes_per_step(self) -> int:
         """Host bytes of the last traced training step (each offloaded tensor counted once)."""
-        return policy.host_bytes_per_step(self._last_plan or [])
+        return planning.host_bytes_per_step(self._last_plan or [])
 
     # ---------------------------------------------------------------- compiling
     def compile(self, *args, jit_compile="auto", **kwargs):

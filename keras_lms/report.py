@@ -13,7 +13,7 @@ import json
 
 import keras
 
-from keras_lms import layer_facts, planner, policy
+from keras_lms import planning
 from keras_lms.config import LMSConfig, format_bytes, parse_bytes
 
 
@@ -36,7 +36,7 @@ class ActivationReport:
             `predicted_peak_bytes_plain`, `predicted_peak_bytes_wrapped`, and, when a budget is set,
             `device_budget`, `budget_peak_bytes` (the wrapped peak with the planner's margin) and
             `fits_device_budget`.
-        plain: the simulated device-memory timeline of the plain step (`keras_lms.planner.StepMemory`).
+        plain: the simulated device-memory timeline of the plain step (`keras_lms.planning.StepMemory`).
         wrapped: the same with LMS.
         device_budget: the budget the plan was made for, or `None`.
 
@@ -64,8 +64,8 @@ class ActivationReport:
     link_gbps: float
     rows: list
     totals: dict
-    plain: planner.StepMemory
-    wrapped: planner.StepMemory
+    plain: planning.StepMemory
+    wrapped: planning.StepMemory
     device_budget: int | None = None
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -250,9 +250,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         model, structure = wrapped.inner_model, wrapped.lms_structure
         optimizer = getattr(wrapped, "optimizer", None)
     else:
-        from keras_lms import graph
-
-        model, structure = model_or_wrapped, graph.model_structure(model_or_wrapped)
+        model, structure = model_or_wrapped, planning.model_structure(model_or_wrapped)
         optimizer = getattr(model, "optimizer", None)
         config = config or LMSConfig()
     if device_budget is not None:
@@ -266,23 +264,15 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         specs = backend.example_inputs(model, batch_size)
         if specs is None:
             raise ValueError(f"Model {model.name!r} does not record its input shape: pass input_shape=(...).")
-    calls = backend.trace_calls(model, structure, specs, {})
-    static = planner.static_bytes(model, optimizer)
-    update = planner.update_temporary_bytes(model, optimizer)
-    plan = planner.build_plan(calls, config, batch_size=batch_size, static_bytes=static, update_bytes=update)
-    offloaded = [list(e.tensor_offloaded) for e in plan]
-    none = [[False] * len(row) for row in offloaded]
-    plain = planner.simulate(calls, none, batch_size, config.prefetch, static, unwrapped=True, update_bytes=update)
-    # the budget planner may have chosen smaller slabs than the config's (planner.fit_budget)
-    slab_bytes = min((e.slab_bytes for e in plan if e.offloaded), default=config.slab_bytes)
-    with_lms = planner.simulate(calls, offloaded, batch_size, config.prefetch, static, update_bytes=update,
-                                lean_normalization=config.lean_normalization, slab_bytes=slab_bytes)
+    step = planning.plan_step(backend, model, structure, config, specs, {}, batch_size, optimizer)
+    plan, static = step.entries, step.static_bytes
+    plain, with_lms = step.plain_memory(), step.wrapped_memory()
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
                  output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,
                  offloaded_bytes=e.offloaded_bytes, reason=e.reason) for e in plan]
-    saved_plain, saved_wrapped = _saved_bytes(calls, plan, batch_size)
-    host = policy.host_bytes_per_step(plan)
+    saved_plain, saved_wrapped = _saved_bytes(step)
+    host = planning.host_bytes_per_step(plan)
     transfer = host + sum(e.offloaded_bytes for e in plan)  # out once per tensor, in once per consumer
     totals = dict(
         device_activation_bytes_plain=saved_plain,
@@ -296,19 +286,19 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     )
     if config.device_budget is not None:
         totals["device_budget"] = config.device_budget
-        totals["budget_peak_bytes"] = with_lms.budget_bytes  # the peak with planner.BUDGET_MARGIN
+        totals["budget_peak_bytes"] = with_lms.budget_bytes  # the peak with planning.BUDGET_MARGIN
         totals["fits_device_budget"] = with_lms.budget_bytes <= config.device_budget
     return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget)
 
 
-def _saved_bytes(calls, plan, batch_size):
+def _saved_bytes(step: planning.StepPlan):
     """Bytes of distinct layer inputs the backward pass reads: plain, and those still on the device with LMS."""
     plain, kept = {}, {}
-    for call, entry in zip(calls, plan):
-        if not layer_facts.backward_reads(call.unit)[0]:
+    for call, entry in zip(step.calls, step.entries):
+        if not step.facts.backward_reads(call.unit)[0]:
             continue
         for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entry.tensor_offloaded):
-            size = policy.tensor_bytes(shape, dtype, batch_size)
+            size = planning.tensor_bytes(shape, dtype, step.batch_size)
             plain[key] = size
             if not off:
                 kept[key] = size

@@ -24,7 +24,7 @@ import warnings
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# pdoc adds the public submodules a package exports (keras_lms.callbacks, .planner, ...) by itself.
+# pdoc adds the public submodules of a package (keras_lms.callbacks, keras_lms.planning, ...) by itself.
 MODULES = ["keras_lms", "keras_lms.config", "keras_lms.horovod"]
 # The documented entry points: "module:qualname", and which sections they must have.
 API = {

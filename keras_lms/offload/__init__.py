@@ -1,8 +1,9 @@
 """How a tensor goes to host and comes back: one module per Keras back end, chosen here.
 
-`active_backend()` returns the offload module of the Keras back end in use (`keras_lms.offload.tensorflow` or
-the package `keras_lms.offload.torch`), the way `keras/src/backend/__init__.py` picks Keras' own back end; the
-rest of keras-lms (`model`, `report`, `memory`) reaches the back end only through it. What every back-end
+`active_backend()` returns the offload package of the Keras back end in use (`keras_lms.offload.tensorflow` or
+`keras_lms.offload.torch`, symmetric as `keras/src/backend/<name>/` are), the way `keras/src/backend/__init__.py`
+picks Keras' own back end; the rest of keras-lms (`model`, `report`, `memory`) reaches the back end only through
+it, and planning (`keras_lms.planning`) gets it passed in: it imports no back end. What every back-end
 module provides is written down once, as the `typing.Protocol` `Backend` (and `StepContextLike` for the object a
 training forward pass runs under); `contract_problems(module)` checks a module against it
 (`tests/test_backend_contract.py`). The back ends import TensorFlow or torch, so they are imported only when
@@ -19,6 +20,7 @@ from typing import Any, Callable, Hashable, Protocol, runtime_checkable
 import keras
 
 from keras_lms.offload.common import DeviceStatsUnavailable
+from keras_lms.planning import BackendFacts
 
 __all__ = ["Backend", "DeviceStatsUnavailable", "StepContextLike", "active_backend", "contract_problems"]
 
@@ -67,8 +69,9 @@ class StepContextLike(Protocol):
 class Backend(Protocol):
     """What a back end's offload module provides (a module satisfies this Protocol, PEP 544).
 
-    The plan, policy, planner, report and callbacks are shared; everything that touches tensors, devices or
-    the framework's autodiff is behind these names.
+    Planning, the report and the callbacks are shared; everything that touches tensors, devices or the
+    framework's autodiff is behind these names, and so is how the framework's step holds memory
+    (`memory_facts`), so that a third back end adds a package, not branches on a back-end name.
     """
 
     def validate_host_device(self, host_device: str) -> str:
@@ -88,7 +91,11 @@ class Backend(Protocol):
         ...
 
     def trace_calls(self, model, structure, inputs, kwargs) -> list:
-        """`model(inputs, training=True)` traced symbolically: one `policy.RawCall` per unit call, in order."""
+        """`model(inputs, training=True)` traced symbolically: one `planning.RawCall` per unit call, in order."""
+        ...
+
+    def memory_facts(self) -> BackendFacts:
+        """How this back end's training step holds device memory: a `keras_lms.planning.BackendFacts`."""
         ...
 
     def example_inputs(self, model, batch_size: int) -> Any:

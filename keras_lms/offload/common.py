@@ -11,7 +11,8 @@ from typing import Callable
 import keras
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import policy
+from keras_lms.planning import rules
+from keras_lms.planning.plan import CallDecision, RawCall
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,14 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
     """
     entry = ctx.plan[index] if index < len(ctx.plan) else None
     if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(sizes):
-        return policy.CallDecision(list(entry.tensor_offloaded), entry.reason, entry.slab_bytes)
+        return CallDecision(list(entry.tensor_offloaded), entry.reason, entry.slab_bytes)
     if not ctx.mismatch_warned:
         ctx.mismatch_warned = True
         log.warning(
             "keras-lms: layer call %d (%s) differs from the planned forward pass (the model's call order "
             "depends on its inputs); deciding this step's remaining calls without keep_last.", index, unit.name,
         )
-    return policy.decide(ctx.config, unit, ctx.structure.unit_models.get(id(unit), []), index, None, sizes, ranks,
+    return rules.decide(ctx.config, unit, ctx.structure.unit_models.get(id(unit), []), index, None, sizes, ranks,
                          offloadable)
 
 
@@ -72,7 +73,7 @@ def declared_inputs(model):
 def offloadable_reason(unit, structure=None) -> str | None:
     """Why the back end cannot offload this unit's calls, or None if it can.
 
-    ``structure`` (a ``graph.ModelStructure``) carries what the planning trace found out about the unit: a
+    ``structure`` (a ``planning.ModelStructure``) carries what the planning trace found out about the unit: a
     unit that reads trainable variables of other layers (tied weights) on a back end whose recompute returns
     gradients only for the unit's own variables (``CallRecorder(keeps_foreign_readers=True)``, torch).
     """
@@ -117,7 +118,7 @@ class TensorFacts:
 
 
 class CallRecorder:
-    """The planning trace's stand-in for every unit's ``call``: runs it and notes a ``policy.RawCall`` (shapes).
+    """The planning trace's stand-in for every unit's ``call``: runs it and notes a ``RawCall`` (shapes).
 
     ``make_wrapper`` goes to ``_keras_adapter.patched_calls``; ``calls`` lists the unit calls in forward order.
     The traced tensors are held until the trace ends, so their ``id`` (a call's ``keys``) is unique within it.
@@ -148,7 +149,7 @@ class CallRecorder:
                 outputs = original(*args, **kw)
             outs = facts.tensors(outputs)
             self._held.extend(tensors + outs)
-            self.calls.append(policy.RawCall(
+            self.calls.append(RawCall(
                 unit=unit,
                 enclosing=self.structure.unit_models.get(id(unit), []),
                 shapes=[facts.shape(t) for t in tensors],

@@ -1,73 +1,16 @@
-"""Which tensors go to host: min_bytes, keep_last, include/exclude — and the plan that records why.
+"""The per-call rules: which tensors go to host by min_bytes, keep_last and include/exclude, and why.
 
-The policy is pure Python over shapes and counts, shared by the TensorFlow and torch offload back ends and
-by the static report, so "what is offloaded" is decided in exactly one place.
+Pure Python over shapes and counts, shared by the planner (``budget.build_plan``), the back ends' step contexts
+(a call that differs from the plan is decided here on the spot) and the report, so "what is offloaded" is
+decided in exactly one place. The budget planner may then narrow these decisions to ``device_budget``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
-import numpy as np
-
-from keras_lms import layer_facts
 from keras_lms.config import LMSConfig, format_bytes
-
-
-@dataclasses.dataclass
-class PlanEntry:
-    """One layer call of the forward pass and what keras-lms does with its inputs.
-
-    Attributes:
-        index: position of the call in the forward pass (0-based).
-        layer: the layer's (or keras.ops node's) name; ``layer_class`` its class name.
-        shapes / dtypes: the call's input tensors (``None`` for a dimension unknown when traced).
-        bytes: total bytes of the call's input tensors per step (unknown dimensions count as ``batch_size``
-            for the first axis and 1 elsewhere).
-        offloaded: whether at least one input goes to host memory between forward and backward.
-        offloaded_bytes: bytes of this call's inputs that live on the host (a tensor shared by several
-            calls is copied once; ``new_host_bytes`` counts it only at its first offloading call).
-        output_shapes / output_bytes: the call's outputs, for the activation report.
-        reason: why, in words.
-        slab_bytes: on TensorFlow, the slab size an offloaded local call is computed with when its inputs are
-            larger (``LMSConfig.slab_bytes``, or smaller when the budget planner chose so); 0: none.
-    """
-
-    index: int
-    layer: str
-    layer_class: str
-    shapes: list
-    dtypes: list
-    bytes: int
-    offloaded: bool
-    reason: str
-    offloaded_bytes: int = 0
-    new_host_bytes: int = 0
-    output_shapes: list = dataclasses.field(default_factory=list)
-    output_bytes: int = 0
-    tensor_offloaded: list = dataclasses.field(default_factory=list)
-    slab_bytes: int = 0  # the slab size of the TensorFlow slab machinery for this call (0: none)
-
-    def __repr__(self) -> str:
-        return f"PlanEntry({self.index}: {self.layer} [{self.layer_class}] {format_bytes(self.bytes)}, {self.reason})"
-
-
-def tensor_bytes(shape: Sequence, dtype, batch_size: int = 1) -> int:
-    """Bytes of a tensor; an unknown leading dimension counts as ``batch_size``, other unknowns as 1."""
-    itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
-    n = 1
-    for axis, dim in enumerate(shape):
-        if dim is None:
-            dim = batch_size if axis == 0 else 1
-        n *= int(dim)
-    return n * itemsize
-
-
-def _numpy_dtype(dtype) -> str:
-    name = getattr(dtype, "name", None) or str(dtype)
-    name = name.replace("torch.", "")
-    return {"bfloat16": "float16", "bool": "bool_", "string": "object"}.get(name, name)
+from keras_lms.planning.plan import CallDecision, RawCall, tensor_bytes
 
 
 def matches(selectors, unit, enclosing_models: Sequence[str]) -> bool:
@@ -98,17 +41,6 @@ def check_selector_names(config: LMSConfig, known_names: set) -> None:
             )
 
 
-@dataclasses.dataclass
-class CallDecision:
-    offload_tensor: list  # bool per input tensor
-    reason: str
-    slab_bytes: int | None = None  # the slab size the call is computed with (None: the config's)
-
-    @property
-    def offloaded(self) -> bool:
-        return any(self.offload_tensor)
-
-
 def decide(config: LMSConfig, unit, enclosing_models, index: int, total: int | None, sizes: list,
            ranks: list, offloadable: str | None = None) -> CallDecision:
     """Decide which inputs of call ``index`` (of ``total`` calls per step) go to host, and say why.
@@ -134,26 +66,10 @@ def decide(config: LMSConfig, unit, enclosing_models, index: int, total: int | N
     return CallDecision(eligible, f"offloaded: {sum(eligible)} input tensor(s), {format_bytes(moved)}")
 
 
-@dataclasses.dataclass
-class RawCall:
-    """A layer call seen by a planning trace, before any decision."""
-
-    unit: object
-    enclosing: list
-    shapes: list
-    dtypes: list
-    ranks: list
-    keys: list  # identity of each input tensor within the trace (for host-copy de-duplication)
-    output_shapes: list
-    output_dtypes: list
-    offloadable: str | None
-    output_keys: list = dataclasses.field(default_factory=list)  # identity of each output tensor (may be empty)
-
-
 def decide_all(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1) -> list:
     """The per-call rules (include/exclude, keep_last, min_bytes) for every call of one forward pass.
 
-    The budget planner (``keras_lms.planner.build_plan``) may then narrow these decisions to ``device_budget``.
+    The budget planner (``keras_lms.planning.budget.build_plan``) may then narrow these decisions to ``device_budget``.
     """
     total = len(calls)
     decisions = []
@@ -161,39 +77,3 @@ def decide_all(calls: Sequence[RawCall], config: LMSConfig, batch_size: int = 1)
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         decisions.append(decide(config, call.unit, call.enclosing, index, total, sizes, call.ranks, call.offloadable))
     return decisions
-
-
-def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], batch_size: int = 1,
-                 slab_bytes: int = 0) -> list:
-    """One PlanEntry per call, in forward order, from the final decisions (``slab_bytes``: the config's, for
-    decisions that do not choose their own)."""
-    entries, copied = [], set()
-    for index, (call, decision) in enumerate(zip(calls, decisions)):
-        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
-        # Host copies that no backward reads are pruned by TensorFlow: count only what is read back.
-        reads = layer_facts.backward_reads(call.unit)[0]
-        if decision.offloaded and not reads:
-            decision = CallDecision(decision.offload_tensor,
-                                    "offloaded: backward reads no inputs (output host copy or shapes only)",
-                                    decision.slab_bytes)
-        offloaded_bytes = sum(s for s, off in zip(sizes, decision.offload_tensor) if off) if reads else 0
-        new_bytes = 0
-        for key, size, off in zip(call.keys, sizes, decision.offload_tensor):
-            if off and reads and key not in copied:
-                copied.add(key)
-                new_bytes += size
-        entries.append(PlanEntry(
-            index=index, layer=call.unit.name, layer_class=type(call.unit).__name__,
-            shapes=[tuple(s) for s in call.shapes], dtypes=[str(d) for d in call.dtypes], bytes=sum(sizes),
-            offloaded=decision.offloaded, reason=decision.reason, offloaded_bytes=offloaded_bytes,
-            new_host_bytes=new_bytes, output_shapes=[tuple(s) for s in call.output_shapes],
-            output_bytes=sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)),
-            tensor_offloaded=list(decision.offload_tensor),
-            slab_bytes=slab_bytes if decision.slab_bytes is None else decision.slab_bytes,
-        ))
-    return entries
-
-
-def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
-    """Bytes held in host memory per step (each offloaded tensor once)."""
-    return sum(e.new_host_bytes for e in plan)

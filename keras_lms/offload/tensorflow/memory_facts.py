@@ -1,15 +1,24 @@
-"""What the TensorFlow back end adds to the planner's memory model: forward temporaries and slabs.
+"""How a TensorFlow training step holds device memory: the planner's ``BackendFacts`` for this back end.
 
-The planner (``keras_lms.planner.simulate``) counts the tensors a step keeps between layer calls. On TensorFlow,
-calibrated against the grappler-optimised graph a GPU would execute (benchmarks/simulated_gpu_peak.py), two
-more things decide the peak of large 3D models:
+Calibrated against the grappler-optimised graph a GPU would execute (benchmarks/simulated_gpu_peak.py):
+
+* TensorFlow's registered gradients of Relu, Sigmoid, Tanh and Elu read the activation's output, and AvgPool's
+  reads only its input's shape; this back end's output-based kernels (``output_gradients``) also serve fused
+  activations, whose backward then reads the output's host copy instead of recomputing the call;
+* an offloaded call is not recomputed (graph pruning drops recompute ops no gradient needs), except max pooling,
+  whose gradient reads its output;
+* grappler's layout optimizer keeps channels-first copies of the optimizer slots of 5-D kernels for the whole
+  step (seen as ``adam/Sub_*-TransposeNDHWCToNCDHW-LayoutOptimizer`` buffers).
+
+The planner's memory model (``keras_lms.planning.memory_model.simulate``) counts the tensors a step keeps between
+layer calls. Two more things decide the peak of large 3D models:
 
 * **forward temporaries** of a call computed whole: grappler's layout optimiser runs float32 5-D convolutions
   channels-first on a GPU, so such a call holds a transposed copy of its input and of its output (and of the
   bias addition's output) besides the tensors themselves; BatchNormalization holds its centred input and
   normalised output in float32 (three input-sized float32 buffers under mixed precision, where the input is
   float16);
-* **slabs** (``LMSConfig.slab_bytes``, keras_lms/offload/tf_slabs.py): an offloaded local call whose input is
+* **slabs** (``LMSConfig.slab_bytes``, ``slabs``, cut where ``slab_plan`` says): an offloaded local call whose input is
   larger than a slab is computed a slab at a time. Its backward holds the output gradient, the input gradient
   being assembled and the slab working set (two windows and their temporaries) instead of the whole swapped-in
   input and whole temporaries; its swap-in is windows, not the whole tensor; a convolution over a channel
@@ -20,7 +29,10 @@ from __future__ import annotations
 
 import keras
 
-from keras_lms import layer_facts, policy
+from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
+from keras_lms.planning import BackendFacts, layer_facts
+from keras_lms.planning.memory_model import variable_bytes
+from keras_lms.planning.plan import tensor_bytes
 
 # Window-sized buffers a slab's recompute and gradient hold at once besides the pieces (the windows in flight and
 # the slab's temporaries), in the compute dtype: BatchNorm under mixed precision works in float32 on float16
@@ -29,26 +41,24 @@ from keras_lms import layer_facts, policy
 SLAB_WORKING_WINDOWS = 2
 
 
-def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int, backend: str) -> dict:
-    """Call index -> tf_slabs.SlabPlan for the offloaded calls the TensorFlow back end computes in slabs."""
-    if backend != "tensorflow" or not slab_bytes:
+def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
+    """Call index -> ``slab_plan.SlabPlan`` for the offloaded calls this back end computes in slabs."""
+    if not slab_bytes:
         return {}
-    from keras_lms.offload import tf_slabs
-
     plans = {}
     parts = concatenation_parts(calls, batch_size)
     for i, call in enumerate(calls):
         if not any(offloaded[i]) or any(s is None for shape in call.shapes for s in shape[1:]):
             continue
         shapes = [[batch_size if d is None else d for d in shape] for shape in call.shapes]
-        sizes = [policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
+        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         source = parts.get(call.keys[0]) if len(call.keys) == 1 else None
         if source is not None and not layer_facts.is_keras_class(call.unit, {"BatchNormalization"}):
-            plan = tf_slabs.plan_slabs(call.unit, source[1], sum(source[2]), slab_bytes)
+            plan = plan_slabs(call.unit, source[1], sum(source[2]), slab_bytes)
             if plan is not None:
                 plans[i] = plan
                 continue
-        plan = tf_slabs.plan_slabs(call.unit, shapes, sum(sizes), slab_bytes)
+        plan = plan_slabs(call.unit, shapes, sum(sizes), slab_bytes)
         if plan is not None:
             plans[i] = plan
     return plans
@@ -64,7 +74,7 @@ def concatenation_parts(calls, batch_size: int) -> dict:
         if call.unit.axis % rank != rank - 1:
             continue
         shapes = [[batch_size if d is None else d for d in shape] for shape in call.shapes]
-        sizes = [policy.tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
+        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
         out[call.output_keys[0]] = (i, shapes, sizes)
     return out
 
@@ -87,13 +97,11 @@ def _compute_ratio(dtype: str) -> float:
     return 2.0 if dtype in ("float16", "bfloat16") else 1.0
 
 
-def forward_temporaries(call, sizes_in, sizes_out, plan, backend: str) -> int:
-    """Bytes a call holds only while its forward runs, besides its inputs and outputs (TensorFlow)."""
-    if backend != "tensorflow":
-        return 0
+def forward_temporaries(call, sizes_in, sizes_out, plan) -> int:
+    """Bytes a call holds only while its forward runs, besides its inputs and outputs."""
     unit = call.unit
     if plan is not None:  # slab forward: the pieces of the output, then their concatenation
-        if plan.moments or layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS):  # tf_slabs.computes_in_...
+        if plan.moments or computes_in_slabs_forward(unit):
             window = sum(sizes_in) / plan.count
             return int(sum(sizes_out) + SLAB_WORKING_WINDOWS * window * _compute_ratio(call.dtypes[0]))
         return 0
@@ -115,10 +123,52 @@ def slab_backward_bytes(call, sizes_in, sizes_out, plan) -> int:
     return int(sum(sizes_in) + max(sum(sizes_out), max(sizes_in, default=0)) + working)
 
 
-def normalization_float32_bytes(call, sizes_in, backend: str) -> int:
+def normalization_float32_bytes(call, sizes_in) -> int:
     """The float32 share of a whole (not slab-computed) BatchNormalization backward's temporaries beyond what
     ``layer_facts.NORMALIZATION_TEMPORARIES`` input-sized buffers count: under mixed precision Keras computes
     BatchNorm in float32, so each of those temporaries is twice the float16 input."""
-    if backend != "tensorflow" or not layer_facts.is_keras_class(call.unit, {"BatchNormalization"}):
+    if not layer_facts.is_keras_class(call.unit, {"BatchNormalization"}):
         return 0
     return int(sum(sizes_in) * layer_facts.NORMALIZATION_TEMPORARIES * (_compute_ratio(call.dtypes[0]) - 1))
+
+
+def layout_copy_bytes(model, optimizer=None, default_slots: int = 2) -> int:
+    """The layout optimizer's channels-first copies of the optimizer slots of every 5-D (Conv3D-family) kernel,
+    which live from the start of the step to its update (``default_slots`` per kernel for an unbuilt optimizer)."""
+    if optimizer is not None and getattr(optimizer, "built", False):
+        return variable_bytes(v for v in optimizer.variables if len(v.shape) == 5)
+    return default_slots * variable_bytes(v for v in model.trainable_variables if len(v.shape) == 5)
+
+
+class TensorFlowFacts(BackendFacts):
+    """The TensorFlow back end's memory facts (see the module docstring)."""
+
+    output_gradient_activations = frozenset({"relu", "sigmoid", "tanh", "elu"})
+    shape_only_layers = layer_facts.STRUCTURAL_LAYERS | layer_facts.AVERAGE_POOLING_LAYERS
+    fused_activation_reads_output_copy = True
+
+    def static_extra_bytes(self, model, optimizer=None, default_slots: int = 2) -> int:
+        return layout_copy_bytes(model, optimizer, default_slots)
+
+    def normalization_extra_bytes(self, call, input_sizes) -> int:
+        return normalization_float32_bytes(call, input_sizes)
+
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
+        return forward_temporaries(call, input_sizes, output_sizes, slab)
+
+    def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
+        return slab_plans(calls, offloaded, batch_size, slab_bytes)
+
+    def elided_concatenations(self, calls, slabs: dict, batch_size: int) -> dict:
+        return elided_concatenations(calls, slabs, batch_size)
+
+    def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
+        return slab_backward_bytes(call, input_sizes, output_sizes, slab)
+
+
+FACTS = TensorFlowFacts()
+
+
+def memory_facts() -> TensorFlowFacts:
+    """The TensorFlow back end's ``BackendFacts`` (the back-end contract's ``memory_facts``)."""
+    return FACTS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_lms import layer_facts
+from keras_lms.offload.tensorflow.memory_facts import FACTS
 
 
 def _output_gradient_fns():
@@ -15,7 +15,7 @@ def _output_gradient_fns():
     output tensor, and they are elementwise (no reduction whose order could differ). Checked bit-identical to
     the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
     (tests/test_output_gradients.py). Only these four: keep a new entry only if that test shows it exact.
-    Which layers qualify is a layer fact (keras_lms.layer_facts); the kernels are this back end's.
+    Which layers qualify is this back end's memory fact (``memory_facts.FACTS``), read by the planner too.
     """
     return {
         "relu": lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
@@ -39,7 +39,7 @@ def input_gradient_from_output(unit):
     gradient error on windows whose values differ by ~1e-7 (and above 1 on exact ties), MaxPooling2D with
     overlapping windows 5e-8. The recompute costs one pooling forward and reads only the input.
     """
-    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit, "tensorflow"))
+    return _output_gradient_fns().get(FACTS.output_gradient_activation(unit))
 
 
 def fused_activation_grad(unit):
@@ -48,7 +48,7 @@ def fused_activation_grad(unit):
     Only for Dense/Conv-family layers whose ``call`` is Keras' own (ends with ``self.activation(...)``), so a
     subclass that overrides ``call`` is always fully recomputed.
     """
-    return _output_gradient_fns().get(layer_facts.fused_output_activation(unit, "tensorflow"))
+    return _output_gradient_fns().get(FACTS.fused_output_activation(unit))
 
 
 def reads_own_output(unit) -> bool:

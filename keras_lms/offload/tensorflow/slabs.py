@@ -7,8 +7,8 @@ gradient, the swapped-in input, and a decoder's concatenation. Computed slab by 
 slab-sized; what remains whole on the device is the call's input (forward) or output gradient (backward) and
 the result being assembled.
 
-How, for a call ``y = f(x)`` of a layer that is local along axis 1 (``layer_facts.slab_halo``: output row i
-reads input rows i-h..i+h):
+How, for a call ``y = f(x)`` of a layer that is local along axis 1 (``planning.layer_facts.slab_halo``: output
+row i reads input rows i-h..i+h; where it is cut: ``slab_plan``):
 
 * forward (convolutions and BatchNormalization): ``y = concat_s f(x[s0-h : s1+h])``
   cropped to rows [s0, s1). BatchNormalization's batch statistics are computed first, over all slabs (a sum
@@ -37,79 +37,15 @@ statistics are sums over slabs (docs/design.md, "Slabs").
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import keras
 import tensorflow as tf
 
-from keras_lms import layer_facts
+from keras_lms.offload.tensorflow.slab_plan import AXIS, SlabPlan, computes_in_slabs_forward, plan_slabs, slab_bounds
 
-AXIS = 1  # the first spatial axis of a channels-last tensor (batch, spatial..., channels)
+__all__ = ["AXIS", "SLAB_SWAP_IN", "SlabPlan", "backward", "computes_in_slabs_forward", "forward", "global_moments",
+           "pad_rows", "plan_slabs", "rows", "slab_bounds", "SlabGradients"]
+
 SLAB_SWAP_IN = "lms_swap_in"  # prefix shared with whole-tensor swap-ins (executed-graph tests count them)
-
-
-@dataclasses.dataclass(frozen=True)
-class SlabPlan:
-    """How one call is cut: ``bounds`` ((s0, s1) per slab) of ``length`` rows along AXIS, the layer's halo,
-    and whether it is a BatchNormalization with batch statistics (``moments``)."""
-
-    length: int
-    bounds: tuple
-    halo: int
-    moments: bool
-    stride: int = 1  # input rows per output row (a tiling max pooling); bounds are multiples of it
-
-    @property
-    def count(self) -> int:
-        return len(self.bounds)
-
-    def forward_window(self, s0, s1):
-        return max(0, s0 - self.halo), min(self.length, s1 + self.halo)
-
-    def backward_window(self, s0, s1):
-        return max(0, s0 - 2 * self.halo), min(self.length, s1 + 2 * self.halo)
-
-    def gradient_rows(self, s0, s1):
-        return max(0, s0 - self.halo), min(self.length, s1 + self.halo)
-
-
-def slab_bounds(length: int, count: int, align: int = 1) -> tuple:
-    """``count`` contiguous, nearly equal row ranges covering [0, length), inner edges multiples of ``align``."""
-    edges = [round(i * length / count / align) * align for i in range(count)] + [length]
-    return tuple((a, b) for a, b in zip(edges, edges[1:]) if b > a)
-
-
-def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int) -> SlabPlan | None:
-    """The slab plan of a call of ``unit`` on inputs of ``shapes`` (``nbytes`` in all), or None for whole.
-
-    Slabs are used when ``slab_bytes`` > 0, the inputs are larger than it, every input is a channels-last
-    tensor of rank >= 3 with the same static length along AXIS, and the layer is local (``slab_halo``).
-    """
-    if not slab_bytes or nbytes <= slab_bytes or not shapes:
-        return None
-    ranks = {len(s) for s in shapes}
-    lengths = {s[AXIS] if len(s) > AXIS else None for s in shapes}
-    if len(ranks) != 1 or len(lengths) != 1 or None in lengths:
-        return None
-    rank, length = ranks.pop(), lengths.pop()
-    halo = layer_facts.slab_halo(unit, rank)
-    if halo is None or getattr(unit, "activity_regularizer", None) is not None:
-        return None
-    stride = layer_facts.slab_stride(unit)
-    if length % stride:
-        return None
-    count = min(length // stride, math.ceil(nbytes / slab_bytes))
-    if count < 2:
-        return None
-    moments = isinstance(unit, keras.layers.BatchNormalization)
-    return SlabPlan(length, slab_bounds(length, count, stride), halo, moments, stride)
-
-
-def computes_in_slabs_forward(unit) -> bool:
-    """Whether a slab-planned call of ``unit`` also runs its forward in slabs: convolutions (grappler's layout
-    optimiser holds channels-first copies of their whole input and output on a GPU) and, always, calls with
-    BatchNorm statistics or concatenated inputs. Element-wise layers and pooling run whole (no temporaries)."""
-    return layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS)
 
 
 def rows(x, a, b):

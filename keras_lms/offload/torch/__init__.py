@@ -56,7 +56,8 @@ and settings), ``transfer`` (copy streams, host copies, swap-ins, back-pressure)
 recompute), ``function`` (the autograd Function and the per-call record), ``no_recompute`` (output-based gradients,
 plain structural layers), ``lean_norm`` (BatchNorm's backward from the forward's statistics), ``lean_conv`` (a
 convolution's backward without recompute), ``step`` (the step context and swap-in scheduling), ``tracing`` (the
-planning trace) and ``devices`` (host device, memory readings).
+planning trace), ``devices`` (host device, memory readings) and ``memory_facts`` (the planner's ``BackendFacts``
+for this back end).
 This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the default
 settings ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``: a model's step reads them from here when it starts, unless
 the model was given its own (``offloader_of(wrapped).cpu_host_copies`` / ``.max_inflight_bytes``).
@@ -73,6 +74,7 @@ from keras_lms.offload.torch.devices import (
     validate_host_device,
 )
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
+from keras_lms.offload.torch.memory_facts import memory_facts
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
 from keras_lms.offload.torch.offloader import Offloader, offloader_of
 from keras_lms.offload.torch.pool import HostBufferPool, clear_host_pool, host_pool
@@ -94,7 +96,7 @@ __all__ = [
     "CPU_HOST_COPIES", "MAX_INFLIGHT_BYTES",
     # the back-end contract (keras_lms.offload.Backend)
     "StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
-    "input_gradient_from_output", "offloadable_reason", "reset_device_peak", "signature_of", "spec_for",
+    "input_gradient_from_output", "memory_facts", "offloadable_reason", "reset_device_peak", "signature_of", "spec_for",
     "trace_calls", "validate_host_device",
     # the machinery (tests and benchmarks)
     "HostBufferPool", "Offloader", "Transfer", "TransferCounter", "TransferStats", "clear_host_pool", "host_pool",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import keras
 import torch
 
-from keras_lms import layer_facts
+from keras_lms.offload.torch.memory_facts import FACTS
+from keras_lms.planning import layer_facts
 
 
 def _output_gradient_fns():
@@ -22,7 +23,7 @@ def _output_gradient_fns():
 
 def input_gradient_from_output(unit):
     """For a relu/sigmoid/tanh activation layer, ``fn(y, dy)`` giving its input gradient; else None."""
-    return _output_gradient_fns().get(layer_facts.output_gradient_activation(unit, "torch"))
+    return _output_gradient_fns().get(FACTS.output_gradient_activation(unit))
 
 
 def runs_plainly(unit, kwargs) -> bool:

@@ -17,7 +17,7 @@ import threading
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from keras_lms.graph import ModelStructure
+from keras_lms.planning import ModelStructure
 from keras_lms.offload.torch.pool import HostBufferPool
 from keras_lms.offload.torch.stats import _TOTAL, TransferCounter
 

@@ -11,7 +11,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms import policy
 from keras_lms.offload import common
 from keras_lms.offload.torch import lean_conv, lean_norm
 from keras_lms.offload.torch.devices import validate_host_device
@@ -21,6 +20,7 @@ from keras_lms.offload.torch.offloader import offloader_for
 from keras_lms.offload.torch.rng import _RngState
 from keras_lms.offload.torch.tracing import TENSOR_FACTS
 from keras_lms.offload.torch.transfer import Transfer, _HostCopy
+from keras_lms.planning.plan import tensor_bytes
 
 
 def swap_in_order(index: int, pending, prefetch: int) -> list:
@@ -90,7 +90,7 @@ class StepContext(common.InterceptingContext):
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
-        return policy.tensor_bytes(tuple(tensor.shape), keras.backend.standardize_dtype(tensor.dtype))
+        return tensor_bytes(tuple(tensor.shape), keras.backend.standardize_dtype(tensor.dtype))
 
     tensor_rank = staticmethod(TENSOR_FACTS.rank)
 

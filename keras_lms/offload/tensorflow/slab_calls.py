@@ -1,0 +1,134 @@
+"""The TensorFlow step context's slab-computed calls (``StepContext`` inherits them): the forward and backward of
+an offloaded call one slab of its first spatial axis at a time, with its windows cut from host copies on the
+host (the mechanism and why: ``slabs``)."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_lms import _keras_adapter as adapter
+from keras_lms.offload import common
+from keras_lms.offload.tensorflow import output_gradients, slabs
+from keras_lms.offload.tensorflow.devices import on_device as _on_device
+from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments, given_moments
+from keras_lms.offload.tensorflow.record import HOST_STAGE_SUFFIX, SWAP_IN_NAME, host_op
+
+
+class SlabCalls:
+    """Slab-wise forward and backward of a ``CallRecord`` whose ``slabs`` is set (a mixin of ``StepContext``:
+    it reads the context's ``host``, ``host_copies`` and ``produced_at``)."""
+
+    def _slab_call(self, record, windows, values, moments=None):
+        """Run the layer on slab ``windows`` (the parts of a concatenation are concatenated here)."""
+        if record.concatenated:
+            windows = [tf.concat(windows, -1)]
+        call_args, call_kwargs = common.rebuild(record.template, record.positions, windows)
+        with given_moments(record.unit, moments):
+            return adapter.run_stateless(record.unit, record.original, values, record.snapshot, call_args,
+                                         call_kwargs, record.autocast)
+
+    def _slab_forward(self, record, xs, values):
+        """The forward of a slab-computed call (slabs.forward); BatchNormalization's batch statistics first."""
+        plan, moments = record.slabs, None
+        if plan.moments:
+            compute_dtype = keras.backend.result_type(xs[0].dtype.name, "float32")
+            axes = adapter.batchnorm_reduction_axes(record.unit, xs[0])
+            mean, variance, count = slabs.global_moments(xs[0], plan, axes, compute_dtype)
+            record.moments.append((mean, variance, axes))
+            record.moment_count = count
+            moments = lambda x: (mean, variance)  # noqa: E731
+        newest = max(range(len(xs)), key=lambda i: self.produced_at.get(record.sources[i], -1)
+                     if record.concatenated else 0)
+
+        def window_of(i, a, b, gate):
+            if record.concatenated and i != newest and record.hosts[i] is not None:
+                # an older part (a skip tensor): from its host copy, once the newest part exists
+                return self._host_window(record.hosts[i], a, b, [gate, xs[newest]], record, "fwd")
+            with _on_device(record.compute_device), slabs.gated([gate]):
+                return slabs.rows(xs[i], a, b)
+
+        return slabs.forward(lambda windows: self._slab_call(record, windows, values, moments), window_of, len(xs),
+                             plan)
+
+    def _slab_window(self, record, i, a, b, gate, trigger):
+        """Rows [a, b) of input ``i`` on the device: cut from its host copy on the host once ``trigger`` and
+        ``gate`` (the previous window) have run, then sent alone; a kept input is sliced on the device."""
+        host = record.hosts[i]
+        if host is None:
+            with _on_device(record.compute_device), slabs.gated([gate]):
+                return slabs.rows(record.kept[i], a, b)
+        return self._host_window(host, a, b, [trigger, gate], record)
+
+    def _host_window(self, host, a, b, gates, record, kind="bwd"):
+        name = f"{SWAP_IN_NAME}_{record.index}_{kind}_rows{a}"
+        with tf.device(self.host), slabs.gated(gates):
+            staged = host_op(slabs.rows(host, a, b), name=f"{name}_{HOST_STAGE_SUFFIX}")
+        with _on_device(record.compute_device):
+            return tf.identity(staged, name=name)
+
+    def _slab_backward(self, record, dy, trigger, foreign_variables):
+        """The backward of a slab-computed call (slabs.backward), or None to differentiate it whole."""
+        unit, plan, device = record.unit, record.slabs, record.compute_device
+        direct = output_gradients.input_gradient_from_output(unit)
+        if direct is not None and len(record.hosts) == 1 and not record.trainable and foreign_variables is None:
+            # An activation whose gradient reads its output: windows of the output's host copy (else whole).
+            host = self.host_copies.get(record.output_key)
+            if host is None or record.n_outputs != 1:
+                return None
+
+            def differentiate(windows, dy_inputs, _):
+                with _on_device(device):
+                    return [direct(windows[0], dy_inputs)], []
+
+            inputs, _ = slabs.backward(plan, dy, lambda i, a, b, gate: self._host_window(
+                host, a, b, [trigger, gate], record), differentiate, 1, 0)
+            return inputs
+        foreign = list(foreign_variables or [])
+        weights = list(record.trainable) + foreign
+        moments = None
+        if plan.moments:
+            if len(record.moments) != 1 or record.moment_count is None:
+                return None
+            moments = self._slab_moment_gradients(record, dy, trigger)
+
+        def differentiate(windows, dy_inputs, dy_weights):
+            with _on_device(device):
+                with tf.GradientTape(persistent=dy_inputs is not dy_weights, watch_accessed_variables=False) as tape:
+                    tape.watch(windows + weights)
+                    outputs, _, _ = self._slab_call(record, windows, record.trainable, moments)
+                y = tf.nest.flatten(outputs)[0]
+                if dy_inputs is dy_weights:
+                    grads = tape.gradient(y, windows + weights, output_gradients=dy_inputs)
+                    return grads[:len(windows)], grads[len(windows):]
+                return (tape.gradient(y, windows, output_gradients=dy_inputs),
+                        tape.gradient(y, weights, output_gradients=dy_weights))
+
+        first_gate = moments.gate if moments is not None else None
+        inputs, weight_grads = slabs.backward(
+            plan, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate if gate is not None else first_gate,
+                                                                trigger),
+            differentiate, len(record.hosts), len(weights))
+        own = weight_grads[:len(record.trainable)]
+        if foreign_variables is None:
+            return inputs + own
+        return inputs + own, weight_grads[len(record.trainable):]
+
+    def _slab_moment_gradients(self, record, dy, trigger):
+        """First pass of a BatchNormalization's slab backward: the gradient reaching its batch mean and variance,
+        summed over slabs. Returns the moments function for the second pass (slabs module docstring)."""
+        mean, variance, _ = record.moments[0]
+        device = record.compute_device
+
+        def differentiate(windows, dy_inputs, _):
+            with _on_device(device):
+                m, v = tf.identity(mean), tf.identity(variance)
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch([m, v])
+                    outputs, _, _ = self._slab_call(record, windows, record.trainable, lambda x: (m, v))
+                return [], tape.gradient(tf.nest.flatten(outputs)[0], [m, v], output_gradients=dy_inputs)
+
+        _, (d_mean, d_variance) = slabs.backward(
+            record.slabs, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate, trigger),
+            differentiate, 1, 2)
+        return TotalMoments(mean, variance, d_mean, d_variance, record.moment_count)

@@ -1,0 +1,148 @@
+"""How a back end's training step holds device memory: the facts the planner and the report need of it.
+
+The memory model (``memory_model.simulate``) is one model for every back end; what differs between frameworks
+is a list of facts: which activations a framework differentiates from their *output*, what autograd saves
+besides a layer's inputs, whether an offloaded call is recomputed, the temporaries of its kernels, the
+optimizer update's. ``BackendFacts`` names each of them once, with the defaults of a framework that keeps
+exactly what a layer's gradient reads and nothing more. A back end subclasses it in its offload package
+(``keras_lms/offload/<name>/memory_facts.py``) and hands an instance to the planner through the back-end
+contract (``keras_lms.offload.Backend.memory_facts``). Planning never asks which back end runs, so a third
+back end adds a module, not ``if`` branches (tests/planning/test_fake_backend.py plans with one).
+"""
+
+from __future__ import annotations
+
+from keras_lms.planning import layer_facts
+
+
+class BackendFacts:
+    """The memory facts of a back end's training step (the defaults: a framework that saves what gradients read).
+
+    Attributes:
+        output_gradient_activations: activation names (Keras' ``relu``, ``sigmoid``, ...) whose gradient the
+            framework computes from the activation's output, so a standalone activation layer keeps only its
+            output (and the back end's offload reads it from the next layer's host copy).
+        shape_only_layers: Keras classes whose gradient reads no tensor values, only shapes.
+        fused_activation_reads_output_copy: the wrapped backward of a Dense/Conv-family call with such a fused
+            activation reads the call's output from its consumer's host copy (instead of recomputing it).
+        recomputes_offloaded_calls: every offloaded call recomputes its output in its backward (not only max
+            pooling, whose output the gradient reads).
+        copy_back_allocated_at_trigger: a prefetched copy back holds its device memory from the moment the
+            trigger's backward issues it (an allocator on the compute stream), not from when it lands.
+        concatenate_gradient_is_view: a concatenation's input gradients are views of its output gradient.
+        gradients_wait_between_readers: the gradient of a tensor read by several calls is summed in the
+            autograd engine's input buffer, and a weight's gradient exists only from its layer's backward on.
+        plain_model_keeps_layer_outputs: without keras-lms, Keras' functional model keeps every layer output
+            until its forward pass returns.
+    """
+
+    output_gradient_activations: frozenset = frozenset()
+    shape_only_layers: frozenset = layer_facts.STRUCTURAL_LAYERS
+    fused_activation_reads_output_copy: bool = False
+    recomputes_offloaded_calls: bool = False
+    copy_back_allocated_at_trigger: bool = False
+    concatenate_gradient_is_view: bool = False
+    gradients_wait_between_readers: bool = False
+    plain_model_keeps_layer_outputs: bool = False
+
+    # ------------------------------------------------------- what a gradient reads
+    def output_gradient_activation(self, unit) -> str | None:
+        """For a standalone activation layer whose gradient this framework computes from its output, its name."""
+        name = layer_facts.standalone_activation(unit)
+        return name if name in self.output_gradient_activations else None
+
+    def fused_output_activation(self, unit) -> str | None:
+        """For a Dense/Conv-family layer running Keras' own ``call`` with a fused activation whose gradient this
+        framework computes from the output, the activation's name."""
+        name = layer_facts.fused_activation(unit)
+        return name if name in self.output_gradient_activations else None
+
+    def keeps_no_activation(self, unit) -> bool:
+        """The unit's gradient reads no tensor values (only shapes)."""
+        return layer_facts.is_keras_class(unit, self.shape_only_layers) or layer_facts.is_linear_activation(unit)
+
+    def backward_reads(self, unit) -> tuple:
+        """``(reads_inputs, reads_output)`` of the unit's gradient as the framework differentiates it (plain).
+
+        Shape-only layers read nothing; output-differentiated activation layers their output; max pooling and
+        Dense/Conv-family layers with an output-differentiated fused activation both; anything else its inputs
+        (the conservative choice).
+        """
+        if self.keeps_no_activation(unit):
+            return False, False
+        if self.output_gradient_activation(unit) is not None:
+            return False, True
+        if (layer_facts.is_keras_class(unit, layer_facts.MAX_POOLING_LAYERS)
+                or self.fused_output_activation(unit) is not None):
+            return True, True
+        return True, False
+
+    def reads_output_host_copy(self, unit) -> bool:
+        """Whether the wrapped backward reads the call's output from its consumer's host copy (when one exists)
+        instead of keeping it on the device."""
+        if self.output_gradient_activation(unit) is not None:
+            return True
+        return self.fused_activation_reads_output_copy and self.fused_output_activation(unit) is not None
+
+    def recomputes_offloaded_output(self, unit) -> bool:
+        """Whether an offloaded call of ``unit`` recomputes its output in its backward (max pooling always)."""
+        return self.recomputes_offloaded_calls or layer_facts.is_keras_class(unit, layer_facts.MAX_POOLING_LAYERS)
+
+    # ------------------------------------------------ what a step holds besides
+    def backward_temporaries(self, unit, recomputed: bool = False, lean: bool = False) -> int:
+        """Input-sized temporaries the call's gradient holds besides the gradients of its inputs and outputs
+        (``recomputed``: in keras-lms' recompute of an offloaded call; ``lean``: see ``lean_normalization_call``)."""
+        if layer_facts.is_keras_class(unit, layer_facts.NORMALIZATION_LAYERS):
+            return 0 if lean else layer_facts.NORMALIZATION_TEMPORARIES
+        return 0
+
+    def saved_extra_bytes(self, unit, input_bytes: int, output_bytes: int) -> int:
+        """Bytes the framework saves for the call's backward besides its inputs and outputs."""
+        return 0
+
+    def lean_normalization_call(self, unit, input_dtypes) -> bool:
+        """Whether the back end differentiates an offloaded call of ``unit`` from the forward's statistics
+        (``LMSConfig.lean_normalization``) instead of recomputing it."""
+        return False
+
+    def lean_normalization_temporary_bytes(self, input_shape, input_dtype, batch_size: int = 1) -> int:
+        """Bytes of that lean normalisation's temporaries for an input of ``input_shape``."""
+        return 0
+
+    def lean_convolution_call(self, unit) -> bool:
+        """Whether the back end differentiates an offloaded call of ``unit`` without recomputing it."""
+        return False
+
+    def lean_convolution_bytes(self, unit) -> int:
+        """What such a call's backward holds besides its input and the gradients (e.g. a kernel copy)."""
+        return 0
+
+    def update_temporary_bytes(self, model, optimizer=None) -> int:
+        """Temporaries of the optimizer update besides weights, gradients and optimizer state."""
+        return 0
+
+    def static_extra_bytes(self, model, optimizer=None, default_slots: int = 2) -> int:
+        """Device bytes held the whole step besides weights, gradients and optimizer state (layout copies)."""
+        return 0
+
+    def normalization_extra_bytes(self, call, input_sizes) -> int:
+        """Bytes a whole normalization backward holds beyond ``NORMALIZATION_TEMPORARIES`` input-sized buffers
+        (e.g. float32 arithmetic on float16 inputs)."""
+        return 0
+
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
+        """Bytes a call holds only while its forward runs, besides its inputs and outputs."""
+        return 0
+
+    # ------------------------------------------------------------------ slabs
+    def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
+        """Call index -> slab plan (``.count`` slabs) of the offloaded calls computed slab by slab (none here)."""
+        return {}
+
+    def elided_concatenations(self, calls, slabs: dict, batch_size: int) -> dict:
+        """Index of a concatenation that is never built -> the slab call that reads its parts instead."""
+        return {}
+
+    def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
+        """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``)."""
+        raise NotImplementedError(f"{type(self).__name__} plans no slabs")

@@ -1,0 +1,116 @@
+"""The budget planner: the per-call rules, narrowed to what ``device_budget`` needs.
+
+Choice: largest and longest-lived tensors first (bytes x distance to their backward use), the last layers
+stay resident (``keep_last``), until the predicted peak (with ``BUDGET_MARGIN``) fits; nothing is offloaded when
+the step fits anyway; when even full offload cannot fit, smaller slabs are tried where the back end computes
+calls in slabs, and then the error names the largest single layer call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from keras_lms.config import format_bytes
+from keras_lms.planning import rules
+from keras_lms.planning.memory_model import _tensors, simulate
+from keras_lms.planning.plan import CallDecision, plan_entries
+
+log = logging.getLogger(__name__)
+
+
+class BudgetError(ValueError):
+    """The step cannot fit the device budget even with every eligible tensor offloaded."""
+
+
+def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0, update_bytes: int = 0) -> list:
+    """Decide every call of one forward pass: the policy's per-call rules, narrowed to ``device_budget``.
+
+    One ``PlanEntry`` per call, in forward order. With ``config.device_budget`` only what the predicted step
+    (``static_bytes`` of weights, gradients and optimizer state and the optimizer update's ``update_bytes``
+    included) needs is offloaded. ``facts`` is the back end's ``BackendFacts``.
+    """
+    decisions = rules.decide_all(calls, config, batch_size)
+    if config.device_budget is not None:
+        decisions = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
+    return _note_slabs(calls, entries, facts, batch_size)
+
+
+def _note_slabs(calls, entries, facts, batch_size: int) -> list:
+    """Say in each entry's reason when the call is computed in slabs (``LMSConfig.slab_bytes``)."""
+    offloaded = [e for e in entries if e.offloaded]
+    slab_bytes = min((e.slab_bytes for e in offloaded), default=0)  # one size per plan (fit_budget)
+    plans = facts.slab_plans(calls, [list(e.tensor_offloaded) for e in entries], batch_size, slab_bytes)
+    for i, plan in plans.items():
+        entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
+    return entries
+
+
+# The smallest slab the budget planner tries when the configured slab size does not fit device_budget.
+MIN_SLAB_BYTES = 16 << 20
+
+
+def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0):
+    """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``.
+
+    Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
+    """
+    budget = config.device_budget
+    none = [[False] * len(d.offload_tensor) for d in decisions]
+    plain = simulate(calls, none, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                     lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
+    if plain.budget_bytes <= budget:
+        log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
+                 format_bytes(plain.budget_bytes), format_bytes(budget))
+        reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
+                  f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
+        return [CallDecision(list(row), reason) for row in none]
+    sizes_in, _, _ = _tensors(calls, batch_size)
+    n = len(calls)
+    candidates = [i for i, d in enumerate(decisions) if d.offloaded]
+    score = {i: sum(s for s, off in zip(sizes_in[i], decisions[i].offload_tensor) if off) * (n - i) for i in candidates}
+    candidates.sort(key=lambda i: -score[i])
+    chosen = [list(row) for row in none]
+    memory = plain
+    for i in candidates:
+        chosen[i] = list(decisions[i].offload_tensor)
+        memory = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                          lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
+        if memory.budget_bytes <= budget:
+            break
+    slab_bytes = config.slab_bytes
+    while memory.budget_bytes > budget and slab_bytes // 2 >= MIN_SLAB_BYTES:
+        # Everything offloaded and still too large: smaller slabs hold smaller working sets (where planned).
+        smaller = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
+                           lean_normalization=config.lean_normalization, slab_bytes=slab_bytes // 2)
+        if smaller.budget_bytes >= memory.budget_bytes:
+            break
+        slab_bytes, memory = slab_bytes // 2, smaller
+    if memory.budget_bytes > budget:
+        sizes_out = _tensors(calls, batch_size)[1]
+        largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
+        need = sum(sizes_in[largest]) + sum(sizes_out[largest])
+        raise BudgetError(
+            f"device_budget {format_bytes(budget)} cannot be met: with every eligible tensor offloaded the step is "
+            f"predicted to need {format_bytes(memory.budget_bytes)} with the planner's margin "
+            f"({format_bytes(static_bytes)} of weights, gradients and optimizer state"
+            + (f", {format_bytes(update_bytes)} of optimizer-update temporaries" if update_bytes else "")
+            + f"). The largest single layer call is {calls[largest].unit.name!r} "
+            f"({format_bytes(need)} for its inputs and outputs at batch size {batch_size}). Use a smaller batch "
+            "or input, a larger budget, or lower min_bytes/keep_last."
+        )
+    log.info("keras-lms: offloading %d of %d layer calls to fit device_budget %s (predicted peak %s).",
+             sum(any(r) for r in chosen), n, format_bytes(budget), format_bytes(memory.budget_bytes))
+    if slab_bytes != config.slab_bytes:
+        log.info("keras-lms: slabs of %s instead of slab_bytes=%s to fit device_budget %s.",
+                 format_bytes(slab_bytes), format_bytes(config.slab_bytes), format_bytes(budget))
+    out = []
+    for i, d in enumerate(decisions):
+        if any(chosen[i]):
+            out.append(CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})",
+                                           slab_bytes))
+        elif d.offloaded:
+            out.append(CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
+        else:
+            out.append(d)
+    return out
