@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import keras_lms
 from benchmarks.models import build_unet
-from keras_lms import planner
+from keras_lms import planning
 from keras_lms.offload import torch as lms_torch
 
 MIB = float(1 << 20)
@@ -190,7 +190,7 @@ def predicted_step_bytes(memory, model) -> int:
     """The report's prediction of what :func:`step_peak` measures: the step's peak beyond the weights and
     optimizer state that exist before it, i.e. the gradients plus the larger of the activation peak and the
     optimizer update's temporaries (``keras_lms.report(...).plain`` / ``.wrapped`` are ``memory``)."""
-    return planner.variable_bytes(model.trainable_variables) + max(memory.activation_peak_bytes, memory.update_bytes)
+    return planning.variable_bytes(model.trainable_variables) + max(memory.activation_peak_bytes, memory.update_bytes)
 
 
 def cases(args):

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import types
 
 import keras
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms import batching, memory, offload, planning, saving
-from keras_lms.planning import rules
 from keras_lms.config import LMSConfig
+from keras_lms.planning import rules
 
 # Training/evaluation hooks a model may override; an overridden one is run on the inner model (see train_step).
 STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
@@ -50,7 +49,7 @@ def _check_wrappable(model) -> None:
 
 
 @keras.saving.register_keras_serializable(package="keras_lms")
-class LMSModel(keras.Model):
+class LMSModel(saving.WrappedModelFiles, keras.Model):
     """A `keras.Model` that trains `inner_model` with its large activations kept in host memory.
 
     Create it with `keras_lms.wrap(model, ...)` (or `LMSModel(model, config)`). `compile`, `fit`, `evaluate`,
@@ -362,63 +361,6 @@ class LMSModel(keras.Model):
         # stored (Keras' private `_jit_compile` is read only by the Trainer getter this class overrides).
         if value is True:
             raise ValueError(XLA_MESSAGE)
-
-    # ------------------------------------------------------------------- saving
-    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """`keras.Model.save`, checked before any file is opened and written atomically.
-
-        Settings that cannot be saved (a predicate in include/exclude) and the legacy `.h5` format (which
-        cannot store a wrapped model) are refused before anything is written. A local `.keras` file is
-        written to a temporary file next to it and moved into place with `os.replace`, so an interrupted
-        save (a crash, a kill, a full disk) leaves the previous file intact.
-        """
-        path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
-        if path is not None and path.endswith((".h5", ".hdf5")):
-            raise ValueError(
-                f"Cannot save the wrapped model {self.name!r} in the legacy HDF5 format ({path!r}): it cannot store "
-                "a keras-lms wrapper. Save it as '.keras' (wrapped.save('model.keras')), or save the plain model "
-                "to .h5 with keras_lms.unwrap(wrapped).save(...), or only the weights with save_weights(...)."
-            )
-        self.get_config()  # raises the clear error for unsavable settings before a file is touched
-        local = path is not None and path.endswith(".keras") and "://" not in path and zipped is not False
-        if not local or (not overwrite and os.path.exists(path)):
-            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-        save = super().save
-        saving.write_atomically(path, lambda tmp: save(tmp, overwrite=True, zipped=zipped, **kwargs))
-
-    # Note: [interchangeable weights files]. Weights files of a wrapped model use the layout of the plain
-    # model (its layers at the top, the optimizer next to them), so a `save_weights` file or a
-    # `ModelCheckpoint(save_weights_only=True)` of either loads into the other. Files written by keras-lms
-    # 0.1 (everything under `inner_model/`) still load into a wrapped model.
-    @contextlib.contextmanager
-    def _inner_with_our_optimizer(self):
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is None:
-            optimizer = getattr(self.inner_model, "optimizer", None)
-        with adapter.patched_attribute(self.inner_model, "optimizer", optimizer):
-            yield self.inner_model
-
-    def save_weights(self, filepath, overwrite=True, **kwargs):
-        """`keras.Model.save_weights` in the layout of the plain model (interchangeable with it), written atomically.
-
-        A local `.weights.h5` file is written to a temporary file next to it, flushed and moved into place with
-        `os.replace`, so an interrupted save (a crash, a kill, a full disk) leaves the previous file intact (Keras
-        writes in place, and a kill mid-write leaves a file h5py cannot open). Sharded (`max_shard_size`) and
-        remote files are written by Keras as before.
-        """
-        path = saving.atomic_weights_path(filepath, kwargs)
-        with self._inner_with_our_optimizer() as inner:
-            if path is None or (not overwrite and os.path.exists(path)):  # Keras asks before overwriting
-                return inner.save_weights(filepath, overwrite=overwrite, **kwargs)
-            saving.write_atomically(path, lambda tmp: inner.save_weights(tmp, overwrite=True, **kwargs),
-                                    suffix=".tmp.weights.h5")
-
-    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Load weights saved by this wrapper, by another wrapper of the same model, or by the plain model."""
-        if saving.saved_by_wrapper_0_1(filepath):
-            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
-        with self._inner_with_our_optimizer() as inner:
-            return inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
 
     def get_config(self):
         return {

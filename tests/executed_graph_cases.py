@@ -29,7 +29,10 @@ import tensorflow as tf
 
 import keras_lms
 from benchmarks.models import build_unet
-from keras_lms.offload import tensorflow as tf_offload
+from keras_lms.offload.tensorflow import devices as tf_devices
+from keras_lms.offload.tensorflow import record as tf_record
+from keras_lms.offload.tensorflow import step as tf_step
+from keras_lms.offload.tensorflow.step import StepContext
 from tests import models
 
 # Activations at least this large count (the models' smallest activations are >= 16 KiB; biases, BatchNorm
@@ -60,8 +63,8 @@ SLAB_MODELS = ("unet2d", "unet3d")
 
 def _old_swap_in(self, host, trigger, device, index):
     """0.1.0's swap-in: a compute-device Identity with the trigger as control input (gates nothing)."""
-    with tf.control_dependencies([trigger] if trigger is not None else []), tf_offload._on_device(device):
-        dev = tf.identity(host, name=f"{tf_offload.SWAP_IN_NAME}_{index}")
+    with tf.control_dependencies([trigger] if trigger is not None else []), tf_devices.on_device(device):
+        dev = tf.identity(host, name=f"{tf_record.SWAP_IN_NAME}_{index}")
     self.swap_ins[host.ref()] = dev
     return dev
 
@@ -69,28 +72,28 @@ def _old_swap_in(self, host, trigger, device, index):
 @contextlib.contextmanager
 def old_mechanism():
     """Rebuild the 0.1.0 mechanism: host Identity swap-out, device-side gated swap-in."""
-    saved = tf_offload._HOST_OP, tf_offload.StepContext.swap_in
-    tf_offload._HOST_OP = lambda tensor, name: tf.identity(tensor, name=name)
-    tf_offload.StepContext.swap_in = _old_swap_in
+    saved = tf_step.host_op, StepContext.swap_in
+    tf_step.host_op = lambda tensor, name: tf.identity(tensor, name=name)
+    StepContext.swap_in = _old_swap_in
     try:
         yield
     finally:
-        tf_offload._HOST_OP, tf_offload.StepContext.swap_in = saved
+        tf_step.host_op, StepContext.swap_in = saved
 
 
 @contextlib.contextmanager
 def forward_windows_ungated():
     """Negative control for the slab forward: cut the skip's windows without waiting for the newest part."""
-    original = tf_offload.StepContext._host_window
+    original = StepContext._host_window
 
     def ungated(self, host, a, b, gates, record, kind="bwd"):
         return original(self, host, a, b, gates if kind != "fwd" else [], record, kind)
 
-    tf_offload.StepContext._host_window = ungated
+    StepContext._host_window = ungated
     try:
         yield
     finally:
-        tf_offload.StepContext._host_window = original
+        StepContext._host_window = original
 
 
 @contextlib.contextmanager

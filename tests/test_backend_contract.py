@@ -12,7 +12,7 @@ import types
 import keras
 import pytest
 
-from keras_lms import memory, offload
+from keras_lms import memory, offload, planning
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_lms"
 
@@ -41,8 +41,9 @@ def test_active_backend_satisfies_the_contract():
     members = set(offload._members(offload.Backend))
     assert {"validate_host_device", "StepContext", "executing_eagerly", "signature_of", "trace_calls",
             "example_inputs", "spec_for", "offloadable_reason", "input_gradient_from_output", "default_device",
-            "reset_device_peak", "device_peak_bytes"} <= members
+            "reset_device_peak", "device_peak_bytes", "memory_facts"} <= members
     assert issubclass(module.StepContext, offload.StepContextLike)
+    assert isinstance(module.memory_facts(), planning.BackendFacts)
 
 
 @pytest.mark.parametrize("missing", ["trace_calls", "validate_host_device", "StepContext", "device_peak_bytes"])
@@ -123,33 +124,30 @@ def _backend_uses(path: pathlib.Path) -> set:
 
 
 def test_the_rest_of_the_package_uses_only_the_contract():
-    """model, report and memory reach the back end through `offload.active_backend()` and its contract only."""
+    """model, report and memory reach the back end through `offload.active_backend()` and its contract only, and
+    planning through the back end it is given (`plan_step(backend, ...)`)."""
     members = set(offload._members(offload.Backend))
-    for name in ("model.py", "report.py", "memory.py"):
+    for name in ("model.py", "report.py", "memory.py", "planning/step.py"):
         path = PACKAGE / name
         used = _backend_uses(path)
         assert used, f"{name} reads nothing from the back end: has the check lost track of it?"
         assert used <= members, f"{name} uses {sorted(used - members)} outside keras_lms.offload.Backend"
         text = path.read_text()
-        assert "offload.active_backend()" in text, name
+        assert "offload.active_backend()" in text or name.startswith("planning/"), name
         assert "keras.backend.backend()" not in text, f"{name} switches on the back end itself"
         assert "from keras_lms.offload import tensorflow" not in text and "offload import torch" not in text, name
 
 
 @pytest.mark.parametrize("activation", ["relu", "sigmoid", "tanh", "elu", "gelu", "hard_swish"])
-def test_output_gradient_kernels_and_layer_facts_agree(activation):
-    """The active back end takes an activation layer's gradient from its output exactly when the shared table
-    (layer_facts.OUTPUT_GRADIENT_ACTIVATIONS, which the planner reads too) says its framework does: torch's
+def test_output_gradient_kernels_and_memory_facts_agree(activation):
+    """The active back end takes an activation layer's gradient from its output exactly when its memory facts
+    (`memory_facts().output_gradient_activations`, which the planner reads) say its framework does: torch's
     elu gradient reads the input, so elu is recomputed there and the planner must not count it as output-read."""
-    import keras
-
-    from keras_lms import layer_facts, offload
-
     unit = keras.layers.Activation(activation)
     backend = offload.active_backend()
+    facts = backend.memory_facts()
     uses_output = backend.input_gradient_from_output(unit) is not None
-    assert uses_output == (layer_facts.output_gradient_activation(unit) is not None)
-    reads = layer_facts.backward_reads(unit)
-    assert reads == ((False, True) if uses_output else (True, False))
-    assert layer_facts.backward_reads(keras.layers.Activation("elu"), "torch") == (True, False)
-    assert layer_facts.backward_reads(keras.layers.Activation("elu"), "tensorflow") == (False, True)
+    assert uses_output == (facts.output_gradient_activation(unit) is not None)
+    assert facts.backward_reads(unit) == ((False, True) if uses_output else (True, False))
+    elu_from_output = keras.backend.backend() == "tensorflow"  # torch's elu_backward is given the input
+    assert (backend.input_gradient_from_output(keras.layers.Activation("elu")) is not None) == elu_from_output

@@ -54,7 +54,7 @@ def test_model_containing_wrapped_model(model):
     (dict(host_device="/CPU:7"), ValueError, "does not exist.*available"),
     (dict(host_device="/GPU:0"), ValueError, "not a CPU device"),
     (dict(host_device="nonsense:device:x"), ValueError, "host_device"),
-    (dict(device_budget="1KiB"), keras_lms.planner.BudgetError, "cannot be met.*largest single layer call"),
+    (dict(device_budget="1KiB"), keras_lms.BudgetError, "cannot be met.*largest single layer call"),
     (dict(device_budget=0), ValueError, "device_budget must be > 0"),
     (dict(device_budget=-5), ValueError, "device_budget must be >= 0"),
     (dict(lean_normalization="yes"), TypeError, "lean_normalization must be True or False"),
@@ -117,10 +117,10 @@ def test_the_constructor_checks_like_wrap_and_walks_the_model_once(model, monkey
         keras_lms.LMSModel(keras_lms.wrap(model))
     with pytest.raises(TypeError, match="config must be a keras_lms.LMSConfig"):
         keras_lms.LMSModel(model, {"min_bytes": 0})
-    from keras_lms import graph
+    from keras_lms import planning
 
     walks = []
-    real = graph.model_structure
-    monkeypatch.setattr(graph, "model_structure", lambda m: walks.append(m.name) or real(m))
+    real = planning.model_structure
+    monkeypatch.setattr(planning, "model_structure", lambda m: walks.append(m.name) or real(m))
     keras_lms.wrap(model)
     assert walks == [model.name], walks

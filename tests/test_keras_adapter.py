@@ -357,7 +357,7 @@ _KERNEL_LAYERS = {  # name: (constructor with a relu activation, input shape)
 
 
 def test_the_kernel_layer_table_is_covered():
-    from keras_lms import layer_facts
+    from keras_lms.planning import layer_facts
 
     assert set(_KERNEL_LAYERS) == set(layer_facts.KERNEL_LAYERS)
 

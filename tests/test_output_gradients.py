@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras import layers
 
 import keras_lms
-from keras_lms.offload import tensorflow as lms_tf
+from keras_lms.offload.tensorflow import output_gradients as lms_tf
 from tests import models
 from tests.oracle import compare_step
 

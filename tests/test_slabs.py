@@ -1,4 +1,5 @@
-"""Slab-wise forward and backward (TensorFlow back end, keras_lms/offload/tf_slabs.py): the wrapped model against
+"""Slab-wise forward and backward (TensorFlow back end, keras_lms/offload/tensorflow/slabs.py): the wrapped model
+against
 the plain one on the same weights and seeds, with slabs small enough that every full-resolution layer is cut.
 
 What runs is checked where it takes effect: a spy on ``tf_slabs.forward`` / ``tf_slabs.backward`` counts the
@@ -14,8 +15,8 @@ import pytest
 
 import keras_lms
 from benchmarks.models import build_unet
-from keras_lms import layer_facts
-from keras_lms.offload import tf_slabs
+from keras_lms.offload.tensorflow import slabs as tf_slabs
+from keras_lms.planning import layer_facts
 from tests import models
 from tests.models import images
 from tests.oracle import assert_matches, compare_step, restore, snapshot

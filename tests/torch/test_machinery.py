@@ -393,7 +393,7 @@ def test_releasing_graph_runs_give_identical_results(name):
     """_keras_adapter.releasing_graph_runs (a private-API shim over Function._run_through_graph) changes only
     when references are dropped, never the result (dict outputs, nested and repeated models, skips)."""
     from keras_lms import _keras_adapter as adapter
-    from keras_lms import graph
+    from keras_lms import planning
 
     model = getattr(models, name)()
     rng = np.random.default_rng(0)
@@ -404,7 +404,7 @@ def test_releasing_graph_runs_give_identical_results(name):
         shape = (2, 32, 32, 1) if name == "unet2d" else (2, 16, 16, 3)
         x = torch.tensor(rng.random(shape), dtype=torch.float32)
     expected = model(x, training=False)
-    structure = graph.model_structure(model)
+    structure = planning.model_structure(model)
     with adapter.releasing_graph_runs(structure.models):
         assert all("_run_through_graph" in g.__dict__ for g in adapter._functional_graphs(structure.models))
         got = model(x, training=False)

@@ -24,8 +24,10 @@ import pytest
 import keras_lms
 from benchmarks.models import build_unet
 from benchmarks.torch_cpu_peak import dense_chain, first_step_bytes, measure, predicted_step_bytes
-from keras_lms import layer_facts, planner
+from keras_lms import planning
 from keras_lms.offload import torch as lms_torch
+from keras_lms.offload.tensorflow.memory_facts import TensorFlowFacts
+from keras_lms.offload.torch.memory_facts import TorchFacts
 
 pytestmark = pytest.mark.torch
 
@@ -66,11 +68,10 @@ def test_wrapped_peak_is_below_plain_by_what_the_report_predicts(rows, case):
 
 
 def test_negative_control_the_tensorflow_model_of_a_plain_step_misses_torch(rows, monkeypatch):
-    """Without the torch terms (outputs held until the forward returns, autograd's saved copies, the recompute,
-    Adam's foreach temporaries) the plain prediction is far outside the tolerance."""
-    simulate = planner.simulate
-    monkeypatch.setattr(planner, "simulate", lambda *args, **kw: simulate(*args, **{**kw, "backend": "tensorflow"}))
-    monkeypatch.setattr(planner, "update_temporary_bytes", lambda *args, **kwargs: 0)
+    """With the TensorFlow back end's memory facts instead of torch's (no outputs held until the forward returns,
+    no autograd's saved copies, no recompute, no Adam's foreach temporaries) the plain prediction is far outside
+    the tolerance."""
+    monkeypatch.setattr(lms_torch, "memory_facts", TensorFlowFacts)
     build, shape, _ = CASES["unet2d"]
     keras.utils.set_random_seed(0)
     model = build()
@@ -85,16 +86,30 @@ def test_budget_counts_the_optimizer_update_on_torch():
     temporaries (three weight-sized tensors on torch) cannot be met; with SGD (none) the same budget fits."""
     model = dense_chain(512, 4)
     model.compile(optimizer="adam", loss="mse")
-    static = planner.static_bytes(model, None)
-    update = planner.update_temporary_bytes(model, keras.optimizers.Adam())
-    assert update == 3 * planner.variable_bytes(model.trainable_variables)
+    facts = lms_torch.memory_facts()
+    static = planning.static_bytes(model, facts)
+    update = facts.update_temporary_bytes(model, keras.optimizers.Adam())
+    assert update == 3 * planning.variable_bytes(model.trainable_variables)
     budget = static + update // 2
     with pytest.raises(keras_lms.BudgetError, match="optimizer-update temporaries"):
         keras_lms.report(model, batch_size=16, device_budget=budget)
     model.compile(optimizer="sgd", loss="mse")
-    assert planner.update_temporary_bytes(model, model.optimizer) == 0
+    assert facts.update_temporary_bytes(model, model.optimizer) == 0
     rep = keras_lms.report(model, batch_size=16, device_budget=budget)
     assert rep.wrapped.budget_bytes <= budget
+
+
+class _FactsBeforeIssue19(TorchFacts):
+    """The torch facts without what issue 19 added: no waiting or pending gradients, no lean BatchNorm or
+    convolution backward."""
+
+    gradients_wait_between_readers = False
+
+    def lean_normalization_call(self, unit, input_dtypes) -> bool:
+        return False
+
+    def lean_convolution_call(self, unit) -> bool:
+        return False
 
 
 # The issue-19 count: build_unet's defaults (depth 3, 16 filters), the sizes of the issue's table.
@@ -130,10 +145,7 @@ def new_user_counts():
                 row[f"report_{kind}"] = report.totals[f"predicted_peak_bytes_{kind}"]
                 if kind == "wrapped":
                     with pytest.MonkeyPatch.context() as old:
-                        old.setattr(planner, "_hold_waiting_gradients", lambda *args: None)
-                        old.setattr(planner, "_release_pending_weight_gradients", lambda *args: None)
-                        old.setattr(layer_facts, "lean_normalization_call", lambda *args, **kwargs: False)
-                        old.setattr(layer_facts, "lean_convolution_call", lambda *args, **kwargs: False)
+                        old.setattr(lms_torch, "memory_facts", _FactsBeforeIssue19)
                         row["report_wrapped_old"] = keras_lms.report(model, batch_size=shape[0]).totals[
                             "predicted_peak_bytes_wrapped"]
             out[name] = row

@@ -17,9 +17,9 @@ import threading
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from keras_lms.planning import ModelStructure
 from keras_lms.offload.torch.pool import HostBufferPool
 from keras_lms.offload.torch.stats import _TOTAL, TransferCounter
+from keras_lms.planning import ModelStructure
 
 
 def package_default(name: str):
