@@ -8,7 +8,7 @@
 
 (Times on the 2-core development VM.) No GPU is needed and nothing is executed: each step (forward, loss,
 gradients, Adam update) is traced on a stand-in device, optimised by grappler's default pipeline for a
-virtual GPU + host CPU, and replayed by TensorFlow's virtual scheduler (``benchmarks/gpu_sim.py`` says how,
+virtual GPU + host CPU, and replayed by TensorFlow's virtual scheduler (``keras_lms/testing/simulated_gpu.py`` says how,
 and what the peak includes). That is the graph TensorFlow would execute, so an offload that grappler removes,
 or a copy back to the GPU that arrives during the forward pass, shows here as no saving. Per model it prints
 the simulated peak plain and wrapped (``wrap`` defaults), their ratio, ``keras_lms.report``'s predicted
@@ -34,12 +34,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-if __package__:  # python -m benchmarks.simulated_gpu_peak
-    from . import gpu_sim
-else:  # python benchmarks/simulated_gpu_peak.py: benchmarks/ is on sys.path
-    import gpu_sim
+from keras_lms.testing import simulated_gpu
+from keras_lms.testing.logical_devices import HOST_STAND_IN, STAND_IN, configure_logical_cpus
 
-gpu_sim.configure_logical_cpus()  # before TensorFlow initialises: /CPU:0 host, /CPU:1 the GPU stand-in
+configure_logical_cpus()  # before TensorFlow initialises: /CPU:0 host, /CPU:1 the GPU stand-in
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -143,7 +141,7 @@ def cases(quick: bool) -> list:
 
 def build(case_build):
     """Models and their variables live on the stand-in device, so the variables end up on the virtual GPU."""
-    with tf.device(gpu_sim.STAND_IN):
+    with tf.device(STAND_IN):
         return case_build()
 
 
@@ -170,9 +168,9 @@ def wrap_variants(forced: bool, quick: bool = False) -> dict:
     """
     variants = {}
     if not quick:
-        variants["wrapped"] = dict(host_device=gpu_sim.HOST_STAND_IN)
+        variants["wrapped"] = dict(host_device=HOST_STAND_IN)
     if forced or quick:
-        variants["forced"] = dict(host_device=gpu_sim.HOST_STAND_IN, min_bytes=0, keep_last=0)
+        variants["forced"] = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
     return variants
 
 
@@ -180,11 +178,11 @@ def measure(case: Case, variants: dict) -> list:
     """Simulated and reported peaks of one model: plain, and wrapped with each variant's settings."""
     model = build(case.build)
     x_shape, y_shape = shapes(model, case.batch)
-    plain = gpu_sim.simulate(model, x_shape, y_shape)
+    plain = simulated_gpu.simulate(model, x_shape, y_shape)
     rows = []
     for variant, kwargs in variants.items():
         wrapped = keras_lms.wrap(model, **kwargs)
-        sim = gpu_sim.simulate(wrapped, x_shape, y_shape)
+        sim = simulated_gpu.simulate(wrapped, x_shape, y_shape)
         totals = keras_lms.report(wrapped, batch_size=case.batch, input_shape=x_shape[1:]).totals
         rows.append(dict(model=case.label, variant=variant, plain=plain, wrapped=sim,
                          report_plain=totals["predicted_peak_bytes_plain"],
@@ -199,7 +197,7 @@ def sanity_check(quick: bool) -> tuple:
     """
     width, depth, batch = (256, 6, 256) if quick else (1024, 6, 1024)
     model = build(lambda: dense_chain(width, depth))
-    sim = gpu_sim.simulate(model, (batch, width), (batch, width), optimizer=None)
+    sim = simulated_gpu.simulate(model, (batch, width), (batch, width), optimizer=None)
     tensor = batch * width * 4
     weights = depth * (width * width + width) * 4
     saved = (depth + 1) * tensor  # the input and every layer's output are read by the backward pass
@@ -233,7 +231,7 @@ def results_table(rows) -> Table:
         plain, wrapped = r["plain"].peak_bytes, r["wrapped"].peak_bytes
         report_plain, report_wrapped = r["report_plain"], r["report_wrapped"]
         swaps = [f"{r['wrapped'].swap_nodes_traced[m]} -> {r['wrapped'].swap_nodes_optimized[m]}"
-                 for m in gpu_sim.SWAP_MARKERS]
+                 for m in simulated_gpu.SWAP_MARKERS]
         table.add_row(r["model"], r["variant"], _mib(plain), _mib(wrapped), f"{wrapped / plain:.2f}",
                       _mib(report_plain), _mib(report_wrapped), f"{report_wrapped / report_plain:.2f}",
                       f"{(report_plain - plain) / plain:+.0%}", f"{(report_wrapped - wrapped) / wrapped:+.0%}", *swaps)
@@ -266,7 +264,7 @@ def cube_peak(edge: int, batch: int, wrap_kwargs) -> int:
     x_shape, y_shape = shapes(model, batch)
     if wrap_kwargs is not None:
         model = keras_lms.wrap(model, **wrap_kwargs)
-    return gpu_sim.simulate(model, x_shape, y_shape, graph_memory=False).peak_bytes
+    return simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False).peak_bytes
 
 
 def largest_cube(batch: int, wrap_kwargs, log, start: int = 64) -> tuple:

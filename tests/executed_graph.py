@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.gpu_sim import configure_logical_cpus
+from keras_lms.testing.logical_devices import configure_logical_cpus
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 COMPUTE = "/job:localhost/replica:0/task:0/device:CPU:1"

@@ -287,12 +287,32 @@ def cnn3d_maxpool(size=8, filters=4):
     return keras.Model(inp, layers.Dense(2)(x), name="cnn3d_maxpool")
 
 
+def conv_chain():
+    """Three same-padding 3x3 convolutions (`c1`..`c3`) and a 1x1 `head` on 32x32 one-channel images.
+
+    `c2`, `c3` and `head` read 32 KiB per sample (32x32x8 float32), so a `min_bytes` between one sample and a
+    batch of 8 (256 KiB) makes the batch size decide what is offloaded; the names let tests select layers.
+    """
+    inp = keras.Input((32, 32, 1))
+    h = layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inp)
+    h = layers.Conv2D(8, 3, padding="same", activation="relu", name="c2")(h)
+    h = layers.Conv2D(8, 3, padding="same", activation="relu", name="c3")(h)
+    out = layers.Conv2D(1, 1, name="head")(h)
+    return keras.Model(inp, out)
+
+
 _RNG = np.random.default_rng(0)
 
 
 def images(batch=4, size=16, channels=3, rng=None):
     """Uniform images; ``rng`` makes them independent of which tests ran before (the module's generator is shared)."""
     return (rng or _RNG).random((batch, size, size, channels)).astype("float32")
+
+
+def conv_chain_data(n=20, rng=None):
+    """`n` samples `(x, y)` for `conv_chain`, the target being the input (an autoencoder's task)."""
+    x = images(n, size=32, channels=1, rng=rng)
+    return x, x
 
 
 def near_ties(shape, step=0.25, jitter=1e-6, rng=None):

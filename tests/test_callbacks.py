@@ -1,7 +1,9 @@
-"""MemoryHighWaterMark writes real memory readings into the normal Keras logs (either backend)."""
+"""MemoryHighWaterMark writes real memory readings into the normal Keras logs, and into a CSV file whose path is
+checked when the callback is made and which a second run appends to (either backend)."""
 
 import csv
 import math
+import os
 
 import keras
 import numpy as np
@@ -112,3 +114,30 @@ def test_bad_arguments():
         keras_lms.MemoryHighWaterMark(device=0)
     with pytest.raises(TypeError, match="per_batch must be True or False"):
         keras_lms.MemoryHighWaterMark(per_batch="yes")
+
+
+def test_memory_callback_csv_path_checked_up_front(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*makedirs"):
+        keras_lms.MemoryHighWaterMark(csv_path=tmp_path / "missing" / "mem.csv")
+    with pytest.raises(TypeError, match="csv_path must be a file path.*file descriptor"):
+        keras_lms.MemoryHighWaterMark(csv_path=123)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root can write anywhere
+            with pytest.raises(PermissionError, match="not writable"):
+                keras_lms.MemoryHighWaterMark(csv_path=locked / "mem.csv")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_memory_callback_second_run_appends_without_second_header(tmp_path):
+    path = tmp_path / "mem.csv"
+    x, y = models.conv_chain_data(8, rng=RNG)
+    for _ in range(2):
+        model = models.conv_chain()
+        model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[keras_lms.MemoryHighWaterMark(csv_path=path)])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("epoch,batch") and not lines[2].startswith("epoch")

@@ -52,7 +52,7 @@ def _unet_case():
 def test_wrapped_peak_without_the_collector_is_below_plain_as_the_report_predicts(collector_restored):
     """Issue 15: with ``gc.disable()`` for the whole step (what a GPU sees: a collection runs on Python's allocation
     counts, not on device memory) the wrapped step's peak is below the plain one, and the same as with the
-    collector running (within one activation). How far below, against the report: test_report_calibration.py
+    collector running (within one activation). How far below, against the report: test_memory_model_calibration.py
     (this small 3D case is where the report is least accurate: its wrapped/plain ratio 18% under the measured)."""
     model, x, y = _unet_case()
     plain = step_peak(model, x, y, gc_enabled=False)["peak"]

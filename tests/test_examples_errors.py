@@ -1,4 +1,5 @@
-"""Examples (issue 11): atomic checkpoints, --resume that explains, corrupt files named, flag messages."""
+"""The examples when something goes wrong (issue 11): a bad flag is a usage error naming it, an interrupted
+checkpoint leaves the previous one, --resume explains why it refuses, and a corrupt input file is named."""
 
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""Device-memory peak of a Keras training step as TensorFlow would execute it on a GPU, without a GPU.
+
+The graph a ``tf.function`` builds is not the graph TensorFlow runs: grappler rewrites it first (it may,
+for example, bypass an ``Identity`` placed on the host), and cross-device edges become ``_Send``/``_Recv``
+transfers. A check of the traced graph cannot see either, so ``simulate`` asks TensorFlow itself:
+
+1. ``configure_logical_cpus()`` (keras_lms/testing/logical_devices.py; before TensorFlow initialises) splits
+   the CPU into ``/CPU:0`` (the host) and ``/CPU:1`` (a stand-in for the GPU).
+2. ``trace_training_step`` (keras_lms/testing/traced_step.py) builds one training step under
+   ``tf.device("/CPU:1")`` and maps its GraphDef onto a virtual machine: the stand-in becomes ``GPU:0``, the
+   host stays the host CPU, and every variable's shape is made known to shape inference
+   (``MemoryPeak.unknown_shape_tensors`` counts GPU tensors whose shape was still not inferred).
+3. ``optimize`` (keras_lms/testing/virtual_cluster.py) runs grappler's default pipeline (the one every
+   ``tf.function`` gets; a default ``RewriterConfig``) against a grappler ``VirtualCluster`` made of that GPU
+   and the host CPU. Because the cluster has a GPU, the layout optimiser converts convolutions to NCHW as it
+   would on a real one.
+4. ``schedule`` (same module) runs TensorFlow's virtual scheduler on the optimised graph
+   (``Cluster.MeasureCosts`` with a timeline). Each device runs one op at a time, in the order ops become ready
+   (inputs and control inputs, across devices too), with analytical op costs. Every data edge between devices
+   becomes a ``_Send`` (on a "Channel" device) and a ``_Recv`` on the receiving device; the ``_Recv``'s only
+   input is the ``_Send``, so it runs as soon as the sending side has produced the tensor, whatever the
+   receiving side is doing. That is exactly TensorFlow's behaviour, and why a copy back to the GPU must be held
+   back on the host.
+5. ``peak_memory`` (keras_lms/testing/timeline_peak.py) replays that timeline: how long each buffer lives on
+   each device, and the most bytes live at once on the GPU.
+
+The peak reported is ``static_bytes`` (model and optimizer variables, resident on the GPU) plus the
+timeline's peak. Not modelled: allocator rounding and fragmentation, cuDNN workspaces, the host link's
+bandwidth (a transfer takes (almost) no time; it changes when a copy completes, not when its buffer is allocated), and
+GPU-only grappler rewrites that a CPU-only TensorFlow build does not perform (the remapper's Conv+BiasAdd+Relu
+fusions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from keras_lms.testing.timeline_peak import MemoryPeak, peak_memory
+from keras_lms.testing.traced_step import trace_training_step
+from keras_lms.testing.virtual_cluster import GPU, optimize, schedule, virtual_cluster
+
+SWAP_MARKERS = ("lms_swap_out", "lms_swap_in")
+
+
+@dataclasses.dataclass
+class Simulation:
+    """Simulated device memory of one training step on the virtual GPU."""
+
+    peak_bytes: int  # static_bytes + timeline peak
+    static_bytes: int  # model + optimizer variables
+    gpu: MemoryPeak
+    graph_memory_peak_bytes: int  # grappler's own DeterminePeakMemoryUsage on the GPU (diagnostic; -1: not run)
+    swap_nodes_traced: dict  # marker (lms_swap_out, lms_swap_in) -> nodes so named before grappler
+    swap_nodes_optimized: dict  # ... and after grappler
+    nodes_traced: int
+    nodes_optimized: int
+    seconds: float
+
+
+def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
+    """marker -> number of nodes whose name contains it (the keras-lms swap ops)."""
+    return {m: sum(m in node.name for node in graph_def.node) for m in markers}
+
+
+def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_memory: bool = True) -> Simulation:
+    """Trace, optimise and schedule one training step of ``model``; see the module docstring."""
+    start = time.perf_counter()
+    traced = trace_training_step(model, x_shape, y_shape, dtype, optimizer)
+    cluster = virtual_cluster()
+    try:
+        optimized = optimize(traced.graph_def, traced.fetch, cluster)
+        step_stats, item = schedule(optimized, traced.fetch, cluster)
+        gpu = peak_memory(optimized, step_stats, GPU, traced.fetch)
+        grappler_peak = -1
+        if graph_memory:
+            grappler_peak = int(cluster.DeterminePeakMemoryUsage(item).get(GPU, (-1, []))[0])
+    finally:
+        cluster.Shutdown()
+    return Simulation(traced.static_bytes + gpu.peak_bytes, traced.static_bytes, gpu, grappler_peak,
+                      count_named(traced.graph_def), count_named(optimized), len(traced.graph_def.node),
+                      len(optimized.node), time.perf_counter() - start)
