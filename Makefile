@@ -29,7 +29,7 @@ $(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
 horovod: $(HVD_STAMP)
 
 # One suite, run once per Keras backend: unmarked tests run under both, tests marked `tensorflow` (Horovod, graph
-# inspection) or `torch` (tests/torch/) only under theirs and are skipped, with the reason, under the other.
+# inspection) or `torch` (tests/offload/torch/) only under theirs and are skipped, with the reason, under the other.
 test: install
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
 	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests

@@ -4,7 +4,7 @@ tests`` (Keras picks its backend once per process, so each backend is its own py
 A test is backend-neutral unless marked: ``@pytest.mark.tensorflow`` / ``@pytest.mark.torch`` (a module says it
 with ``pytestmark``) make it run only under that backend; under the other one it is skipped, with the marker's
 ``reason=`` where it has one.
-Everything under tests/torch/ is torch-only and everything under tests/horovod/ TensorFlow-only, whether or not
+Everything under tests/offload/torch/ is torch-only and everything under tests/horovod/ TensorFlow-only, whether or not
 the module repeats the marker (``_PATH_BACKEND``).
 """
 
@@ -25,7 +25,7 @@ BACKEND_MARKERS = ("tensorflow", "torch")
 _HERE = pathlib.Path(__file__).resolve().parent
 # Paths under tests/ that belong to one backend as a whole: the directory (or module) -> (backend, reason).
 _PATH_BACKEND = {
-    "torch": ("torch", None),
+    "offload/torch": ("torch", None),
     "horovod": ("tensorflow", "keras_lms.horovod runs on TensorFlow"),
 }
 
@@ -34,10 +34,11 @@ _PATH_BACKEND = {
 def pytest_collection_modifyitems(config, items):
     for item in items:
         try:
-            top = item.path.resolve().relative_to(_HERE).parts[0]
+            relative = item.path.resolve().relative_to(_HERE).as_posix()
         except ValueError:
             continue
-        backend, reason = _PATH_BACKEND.get(top, (None, None))
+        prefix = next((p for p in _PATH_BACKEND if relative.startswith(p + "/")), None)
+        backend, reason = _PATH_BACKEND.get(prefix, (None, None))
         if backend is not None and item.get_closest_marker(backend) is None:
             item.add_marker(getattr(pytest.mark, backend)(**({"reason": reason} if reason else {})))
 

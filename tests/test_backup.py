@@ -72,7 +72,8 @@ def killed_runs(tmp_path_factory):
     (tmp / "plan.json").write_text(json.dumps(_plan(tmp)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    # -m from the repository root: as a script, tests/ would come first on sys.path and tests/torch/ shadow torch.
+    # -m from the repository root: as a script, tests/ would come first on sys.path (a tests/ module could shadow
+    # a library).
     proc = subprocess.run([sys.executable, "-m", "tests.backup_runs", str(tmp / "plan.json")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -1,7 +1,7 @@
 """The host memory check (keras_lms/memory.py): its `HostMemoryError` reaches the user unchanged, even from
 inside the user's own `tf.function`.
 
-(tests/torch/test_memory.py measures the torch step's memory; tests/test_batching.py checks the guard when the
+(tests/offload/torch/test_memory.py measures the torch step's memory; tests/test_batching.py checks the guard when the
 batch axis is unknown.)
 """
 

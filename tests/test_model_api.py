@@ -46,7 +46,7 @@ def test_predict_and_evaluate_use_plain_path():
     assert wrapped.evaluate(x, x, verbose=0) == pytest.approx(model.evaluate(x, x, verbose=0), rel=1e-6)
 
 
-@pytest.mark.tensorflow(reason="reads the traced tf.function graph (torch: tests/torch/test_training.py)")
+@pytest.mark.tensorflow(reason="reads the traced tf.function graph (torch: tests/offload/torch/test_training.py)")
 def test_inference_graph_has_no_swap_ops():
     import tensorflow as tf
 

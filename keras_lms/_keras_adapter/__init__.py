@@ -30,7 +30,7 @@ and its docstring says which internals it relies on and why:
 No other module of keras-lms imports ``keras.src`` or reads a private attribute of a Keras object
 (``tests/test_keras_adapter.py`` greps the sources). Everything here is pinned to the Keras range in
 pyproject.toml, checked when this package is imported (before any submodule imports ``keras.src``);
-``tests/test_keras_adapter.py`` (and ``tests/torch/test_keras_adapter.py`` for the torch back end) has a canary
+``tests/test_keras_adapter.py`` (and ``tests/offload/torch/test_keras_adapter.py`` for the torch back end) has a canary
 per assumption that fails loudly, naming the function, when a Keras release changes one; a private attribute that
 is gone raises :class:`RuntimeError` naming the function and the Keras versions.
 
@@ -47,7 +47,7 @@ check_keras_version()  # the version gate: the submodules below rely on this Ker
 
 from keras_lms._keras_adapter.calls import CallInContext, original_call, patched_calls  # noqa: E402
 from keras_lms._keras_adapter.graphs import (  # noqa: E402
-    _functional_graphs as _functional_graphs,  # tests/torch/test_machinery.py checks the patched graphs
+    _functional_graphs as _functional_graphs,  # tests/offload/torch/test_machinery.py checks the patched graphs
 )
 from keras_lms._keras_adapter.graphs import (  # noqa: E402
     compute_output_spec,

@@ -4,7 +4,7 @@ Keras internals relied on (Keras 3.15), and why: ``keras.src.tree.torchtree_impl
 and ``traverse`` (replaced, module-wide, while :func:`acyclic_torch_trees` is held) and the ``torch_tree``
 module it uses. Keras' versions keep every structure they flatten alive until Python's cyclic garbage collector
 runs, which keeps offloaded activations on the device for a random time (the note below); the replacements are
-the Keras functions with only that changed. Canaries: ``tests/torch/test_keras_adapter.py``.
+the Keras functions with only that changed. Canaries: ``tests/offload/torch/test_keras_adapter.py``.
 """
 
 from __future__ import annotations

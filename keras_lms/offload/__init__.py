@@ -6,7 +6,7 @@ picks Keras' own back end; the rest of keras-lms (`model`, `report`, `memory`) r
 it, and planning (`keras_lms.planning`) gets it passed in: it imports no back end. What every back-end
 module provides is written down once, as the `typing.Protocol` `Backend` (and `StepContextLike` for the object a
 training forward pass runs under); `contract_problems(module)` checks a module against it
-(`tests/test_backend_contract.py`). The back ends import TensorFlow or torch, so they are imported only when
+(`tests/offload/test_backend_contract.py`). The back ends import TensorFlow or torch, so they are imported only when
 asked for: importing `keras_lms` under another Keras back end works (wrapping a model then raises).
 """
 

@@ -3,7 +3,8 @@
 A CPU-only TensorFlow has one device, so a host copy and the tensor it copies would live in the same place and
 no cross-device transfer would appear in the graph. Splitting the CPU in two gives the graph a device boundary
 where a GPU would put one: the GPU simulation (`keras_lms.testing.simulated_gpu`) traces the step on the
-stand-in and maps it to a virtual GPU; the executed-graph tests (tests/executed_graph.py) run it there.
+stand-in and maps it to a virtual GPU; the executed-graph tests (tests/offload/tensorflow/executed_graph.py) run
+it there.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ def _output_gradient_fns():
     These are the ops TensorFlow's own registered gradients of Relu/Sigmoid/Tanh/Elu emit, fed the same
     output tensor, and they are elementwise (no reduction whose order could differ). Checked bit-identical to
     the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
-    (tests/test_output_gradients.py). Only these four: keep a new entry only if that test shows it exact.
+    (tests/offload/tensorflow/test_output_gradients.py). Only these four: keep a new entry only if that test
+    shows it exact.
     Which layers qualify is this back end's memory fact (``memory_facts.FACTS``), read by the planner too.
     """
     return {

@@ -20,7 +20,8 @@ def host_op(tensor, name):
 
     It must not be ``Identity``/``IdentityN``/``NoOp``: grappler's dependency optimiser removes those when that
     lowers the number of device crossings, and a host Identity between device ops is exactly that case.
-    ``tests/test_executed_graph.py`` checks on the partitioned graph TensorFlow runs that the ops survive.
+    ``tests/offload/tensorflow/test_executed_graph.py`` checks on the partitioned graph TensorFlow runs that the
+    ops survive.
     """
     return tf.raw_ops.EnsureShape(input=tensor, shape=tensor.shape, name=name)
 

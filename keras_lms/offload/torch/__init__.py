@@ -49,7 +49,7 @@ wrapped model's functional graphs release each tensor after its last consumer
 (``_keras_adapter.releasing_graph_runs``). Keras' torch tree utilities keep every tensor they flatten in a
 reference cycle until Python's cyclic collector runs; the forward pass and each recompute run under
 ``_keras_adapter.acyclic_torch_trees``, so an offloaded original dies when its last forward consumer is done
-(also with ``gc.disable()``; ``tests/torch/test_memory.py``).
+(also with ``gc.disable()``; ``tests/offload/torch/test_memory.py``).
 
 The modules: ``stats`` (transfer counters), ``pool`` (host buffer pool), ``offloader`` (a model's pool, counters
 and settings), ``transfer`` (copy streams, host copies, swap-ins, back-pressure), ``rng`` (RNG states for the

@@ -8,7 +8,7 @@ went lean. Here the backward calls ``aten.convolution_backward`` itself with exa
 in the plain model: the gradient permuted to channels-first (a view), the input as the channels-last view Keras'
 copy equals, and Keras' channels-last copy of the kernel (cast as the forward's autocast cast it); the bias
 gradient is ``sum_to_size`` as ``add``'s backward computes it. The results are bit-identical to autograd's
-(tests/torch/test_lean_normalization.py compares them), so there is no option to turn it off.
+(tests/offload/torch/test_lean_normalization.py compares them), so there is no option to turn it off.
 
 Only where Keras' torch ``conv`` passes its arguments straight to torch: Keras' own Conv2D/Conv3D ``call``,
 channels last, stride 1, dilation 1, one group, ``padding="valid"`` or ``"same"`` with odd kernel sizes

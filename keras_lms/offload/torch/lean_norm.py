@@ -101,7 +101,7 @@ def backward(unit, x, dy, trainable, moments):
     but per-channel quantities are computed once and the input-sized ones slab by slab (:func:`_slabs`):
     the temporaries are slab-sized, in the compute dtype, and the result is written into one tensor of ``x``'s
     dtype and layout. With one slab (inputs up to ``SLAB_ROWS`` positions) the sums are the same reductions as
-    autograd's and the result is bit-identical to it (tests/torch/test_lean_normalization.py); with several,
+    autograd's and the result is bit-identical to it (tests/offload/torch/test_lean_normalization.py); with several,
     the sums are added slab by slab (float32 rounding). torch's fused ``native_batch_norm_backward`` was tried
     first: another formula (1e-7 relative per call, 1.2e-5 on MobileNetV2's first BatchNorm after 52 more, above
     the zoo's 1e-5), and on the CPU its channels-last kernel sums each channel sequentially (9e-6 in dgamma at

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.tensorflow(reason="grappler's virtual cluster simulates the TensorFlow graph")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ it runs the op TensorFlow's own gradient runs, on the same tensor. Max pooling f
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from tests.oracle import compare_step
 
 pytestmark = pytest.mark.tensorflow(reason="the TensorFlow back end's output-gradient shortcuts and kernels")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 
 
 def _exact():
@@ -109,7 +110,7 @@ from tensorflow.python.util import _pywrap_util_port
 if not _pywrap_util_port.IsMklEnabled():
     sys.exit(77)
 from tests import models
-from tests.test_output_gradients import activation_chain, assert_exact, chain_inputs
+from tests.offload.tensorflow.test_output_gradients import activation_chain, assert_exact, chain_inputs
 assert_exact(activation_chain, chain_inputs())
 build, data = models.ORACLE_CASES["cnn3d_maxpool"]
 assert_exact(build, data())

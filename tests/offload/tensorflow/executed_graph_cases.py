@@ -1,8 +1,9 @@
 """Run the executed-graph cases in a fresh process (two logical CPUs must be set before TF initialises).
 
-    python -m tests.executed_graph_cases OUT.json
+    python -m tests.offload.tensorflow.executed_graph_cases OUT.json
 
-Writes, per case, the counts ``tests/test_executed_graph.py`` asserts on (see tests/executed_graph.py).
+Writes, per case, the counts ``tests/offload/tensorflow/test_executed_graph.py`` asserts on
+(see tests/offload/tensorflow/executed_graph.py).
 Cases: three models (2D U-Net, ResNet-style, 3D U-Net) x {wrap() defaults, forced offload with prefetch
 0/1/2}, the U-Nets with slabs (and the same without: the control), and two negative controls per model: the
 plain model, and the 0.1.0 mechanism rebuilt here (a host
@@ -20,7 +21,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["KERAS_BACKEND"] = "tensorflow"
 
-from tests import executed_graph as eg
+from tests.offload.tensorflow import executed_graph as eg
 
 eg.configure_two_cpus()
 
@@ -51,7 +52,7 @@ CONFIGS = {
     "forced_prefetch1": dict(min_bytes=0, keep_last=0, prefetch=1),
     "forced_prefetch2": dict(min_bytes=0, keep_last=0, prefetch=2),
 }
-# Slabs (keras_lms/offload/tf_slabs.py): every full-resolution call of the U-Nets (2 MiB level-0 tensors) is cut
+# Slabs (keras_lms/offload/tensorflow/slabs.py): every full-resolution call of the U-Nets (2 MiB level-0 tensors) is cut
 # into 8 slabs; the control computes the same calls whole.
 SLAB_BYTES = 256 << 10
 SLAB_CONFIGS = {

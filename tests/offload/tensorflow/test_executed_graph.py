@@ -1,7 +1,8 @@
 """The offload as TensorFlow executes it: partition graphs after grappler, on two logical CPU devices.
 
 The traced-graph tests (test_placement.py) check what we build; these check what runs. One fresh process
-(tests/executed_graph_cases.py: logical devices must be configured before TensorFlow initialises) runs one
+(tests/offload/tensorflow/executed_graph_cases.py: logical devices must be configured before TensorFlow
+initialises) runs one
 training step per case and counts, on the partitioned graph after grappler:
 
 * bypassed: tensors the wrapper sent to the host that a backward op on the compute device still reads there;
@@ -23,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.tensorflow(reason="TensorFlow's partition graphs after grappler")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 MODELS = ("unet2d", "resnet", "unet3d")
 WRAPPED = ("defaults", "forced_prefetch0", "forced_prefetch1", "forced_prefetch2")
 
@@ -31,7 +32,7 @@ WRAPPED = ("defaults", "forced_prefetch0", "forced_prefetch1", "forced_prefetch2
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("executed") / "cases.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.executed_graph_cases", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.offload.tensorflow.executed_graph_cases", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print(proc.stdout)

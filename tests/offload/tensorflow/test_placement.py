@@ -7,7 +7,7 @@ import pytest
 
 import keras_lms
 from tests import models
-from tests.graph_inspect import ancestors, base_name, trace_step
+from tests.offload.tensorflow.graph_inspect import ancestors, base_name, trace_step
 
 pytestmark = pytest.mark.tensorflow(reason="reads the traced tf.function graph")
 
@@ -87,7 +87,7 @@ def test_swap_in_waits_for_backward_and_prefetches(prefetch):
     """The op that sends a host copy back is a host op gated on a backward gradient (prefetch calls ahead).
 
     The gate must sit on the host side: a control dependency on the device-side op after the transfer gates
-    nothing (tests/test_executed_graph.py checks this on the graph TensorFlow executes)."""
+    nothing (tests/offload/tensorflow/test_executed_graph.py checks this on the graph TensorFlow executes)."""
     model = models.cnn_bn_dropout()
     x = RNG.random((2, 16, 16, 3)).astype("float32")
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=prefetch)

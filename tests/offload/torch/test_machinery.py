@@ -4,6 +4,7 @@ tensors, host_device validation, and no TensorFlow import."""
 
 import gc
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 
 
 # ------------------------------------------------------------------------------------------- the pool
@@ -56,7 +57,7 @@ def test_pool_drops_buffers_of_sizes_no_longer_used():
 def test_pool_is_reused_across_training_steps():
     model = models.unet2d()
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
-    pool = lms_torch.offloader_of(wrapped).pool  # the model's own (tests/torch/test_offloader_state.py)
+    pool = lms_torch.offloader_of(wrapped).pool  # the model's own (tests/offload/torch/test_offloader_state.py)
     x = torch.rand(2, 32, 32, 1)
 
     def step():

@@ -1,6 +1,7 @@
 """The back-end contract (`keras_lms.offload.Backend`): the active back end's offload module provides every member
 with a compatible signature, the checker rejects a module that does not (negative controls), and the rest of
-keras-lms reaches the back end only through the contract. Backend-neutral: tests/torch/ runs it under torch."""
+keras-lms reaches the back end only through the contract. Backend-neutral: the
+suite runs it under each back end."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from keras_lms import memory, offload, planning
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_lms"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "keras_lms"
 
 
 def _copy(module, **changes) -> types.ModuleType:

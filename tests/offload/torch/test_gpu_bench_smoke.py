@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.torch  # the benchmark measures the torch back end
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_gpu_bench_smoke(tmp_path):

@@ -3,7 +3,8 @@ against
 the plain one on the same weights and seeds, with slabs small enough that every full-resolution layer is cut.
 
 What runs is checked where it takes effect: a spy on ``tf_slabs.forward`` / ``tf_slabs.backward`` counts the
-calls computed in slabs (zero with ``slab_bytes=0``, the control), and tests/test_executed_graph.py checks the
+calls computed in slabs (zero with ``slab_bytes=0``, the control), and
+tests/offload/tensorflow/test_executed_graph.py checks the
 partition graphs TensorFlow executes (every transfer back slab-sized and gated).
 """
 
