@@ -70,16 +70,16 @@ def declared_inputs(model):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
-def offloadable_reason(unit, structure=None) -> str | None:
+def offloadable_reason(unit, structure=None, foreign=None) -> str | None:
     """Why the back end cannot offload this unit's calls, or None if it can.
 
-    ``structure`` (a ``planning.ModelStructure``) carries what the planning trace found out about the unit: a
-    unit that reads trainable variables of other layers (tied weights) on a back end whose recompute returns
-    gradients only for the unit's own variables (``CallRecorder(keeps_foreign_readers=True)``, torch).
+    ``foreign`` lists what the planning trace found out about the unit: the paths of trainable variables of other
+    layers (tied weights) it reads, on a back end whose recompute returns gradients only for the unit's own
+    variables (``CallRecorder(keeps_foreign_readers=True)``, torch). The trace keeps the finding on the plan
+    (``PlanEntry.unoffloadable``), not on the model's structure, which is read-only.
     """
     if adapter.is_quantized(unit):
         return "quantized layers are not intercepted (they run quantized_call)"
-    foreign = structure.foreign_reads.get(id(unit)) if structure is not None else None
     if foreign:
         return (f"reads trainable variables of other layers ({', '.join(foreign)}); the recompute returns "
                 "gradients only for the layer's own variables, so the call runs plainly")
@@ -139,12 +139,11 @@ class CallRecorder:
 
         def recording_call(*args, **kw):
             tensors = facts.tensors((args, kw))
+            foreign = None
             if self.keeps_foreign_readers:
                 with adapter.recording_variable_reads() as read:
                     outputs = original(*args, **kw)
-                foreign = foreign_trainable_reads(unit, read)
-                if foreign:
-                    self.structure.foreign_reads[id(unit)] = [v.path for v in foreign]
+                foreign = [v.path for v in foreign_trainable_reads(unit, read)]
             else:
                 outputs = original(*args, **kw)
             outs = facts.tensors(outputs)
@@ -158,7 +157,7 @@ class CallRecorder:
                 keys=[id(t) for t in tensors],
                 output_shapes=[facts.shape(t) for t in outs],
                 output_dtypes=[facts.dtype(t) for t in outs],
-                offloadable=offloadable_reason(unit, self.structure),
+                offloadable=offloadable_reason(unit, self.structure, foreign),
                 output_keys=[id(t) for t in outs],
             ))
             return outputs
@@ -197,6 +196,8 @@ class InterceptingContext:
         self.host = host
         self.index = 0
         self.mismatch_warned = False
+        # what the planning trace found the back end cannot offload (for calls that differ from the plan)
+        self.unoffloadable = {entry.layer: entry.unoffloadable for entry in plan if entry.unoffloadable}
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -210,7 +211,8 @@ class InterceptingContext:
         """The plan's decision for call ``index`` of ``unit`` on ``tensors`` (see ``planned_decision``)."""
         sizes = [self.tensor_bytes(t) for t in tensors]
         ranks = [self.tensor_rank(t) for t in tensors]
-        return planned_decision(self, index, unit, sizes, ranks, offloadable_reason(unit, self.structure))
+        reason = offloadable_reason(unit, self.structure) or self.unoffloadable.get(unit.name)
+        return planned_decision(self, index, unit, sizes, ranks, reason)
 
     def forward_scope(self):
         """A context manager around the wrapped model's forward pass; none by default."""

@@ -7,7 +7,8 @@ optimizer update's. ``BackendFacts`` names each of them once, with the defaults 
 exactly what a layer's gradient reads and nothing more. A back end subclasses it in its offload package
 (``keras_lms/offload/<name>/memory_facts.py``) and hands an instance to the planner through the back-end
 contract (``keras_lms.offload.Backend.memory_facts``). Planning never asks which back end runs, so a third
-back end adds a module, not ``if`` branches (tests/planning/test_fake_backend.py plans with one).
+back end adds a module, not ``if`` branches (tests/planning/fake_backend.py is one; tests/planning/test_step.py
+plans with it).
 """
 
 from __future__ import annotations

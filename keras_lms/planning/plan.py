@@ -29,6 +29,8 @@ class PlanEntry:
         reason: why, in words.
         slab_bytes: on TensorFlow, the slab size an offloaded local call is computed with when its inputs are
             larger (``LMSConfig.slab_bytes``, or smaller when the budget planner chose so); 0: none.
+        unoffloadable: why the back end cannot offload this call at all (a quantized layer; on torch, a layer
+            that reads other layers' trainable variables), as the planning trace found; None when it can.
     """
 
     index: int
@@ -45,6 +47,7 @@ class PlanEntry:
     output_bytes: int = 0
     tensor_offloaded: list = dataclasses.field(default_factory=list)
     slab_bytes: int = 0  # the slab size of the TensorFlow slab machinery for this call (0: none)
+    unoffloadable: str | None = None
 
     def __repr__(self) -> str:
         return f"PlanEntry({self.index}: {self.layer} [{self.layer_class}] {format_bytes(self.bytes)}, {self.reason})"
@@ -121,6 +124,7 @@ def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], fa
             output_bytes=sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes)),
             tensor_offloaded=list(decision.offload_tensor),
             slab_bytes=slab_bytes if decision.slab_bytes is None else decision.slab_bytes,
+            unoffloadable=call.offloadable,
         ))
     return entries
 

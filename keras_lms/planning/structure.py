@@ -23,9 +23,6 @@ class ModelStructure:
     units: list  # unique ops in discovery order
     models: list  # the model itself and every nested model
     unit_models: dict  # id(unit) -> list of enclosing model names (outermost first)
-    # id(unit) -> paths of trainable variables of other layers it reads (tied weights), found by the planning
-    # trace on back ends whose recompute cannot return their gradients (offload.common.CallRecorder)
-    foreign_reads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> set:
