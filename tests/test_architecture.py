@@ -115,7 +115,7 @@ def test_planning_import_check_finds_a_planted_import():
     """Negative control: a planted import of the TensorFlow back end from the memory model is found."""
     graph = import_graph()
     graph["keras_lms.planning.memory_model"] = set(graph["keras_lms.planning.memory_model"]) | {
-        "keras_lms.offload.tensorflow.memory_facts"}
+        "keras_lms.offload.tensorflow.step_memory"}
     assert "keras_lms.planning.memory_model" in _planning_reaches_offload(graph)
     assert "keras_lms.planning.budget" in _planning_reaches_offload(graph)  # and through it, the budget planner
 

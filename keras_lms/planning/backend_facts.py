@@ -5,7 +5,7 @@ is a list of facts: which activations a framework differentiates from their *out
 besides a layer's inputs, whether an offloaded call is recomputed, the temporaries of its kernels, the
 optimizer update's. ``BackendFacts`` names each of them once, with the defaults of a framework that keeps
 exactly what a layer's gradient reads and nothing more. A back end subclasses it in its offload package
-(``keras_lms/offload/<name>/memory_facts.py``) and hands an instance to the planner through the back-end
+(``keras_lms/offload/<name>/step_memory.py``) and hands an instance to the planner through the back-end
 contract (``keras_lms.offload.Backend.memory_facts``). Planning never asks which back end runs, so a third
 back end adds a module, not ``if`` branches (tests/planning/fake_backend.py is one; tests/planning/test_step.py
 plans with it).

@@ -23,7 +23,7 @@ The modules: ``step`` (the step context), ``record`` (what it keeps of one call,
 ``recompute_scopes`` (BatchNorm statistics and fused activations in the recompute), ``output_gradients`` (the
 output-based gradient kernels; ``StepContext`` looks them up there, and tests replace them there to count their
 uses), ``slabs`` and ``slab_plan`` (slab-wise forward and backward, and where a call is cut), ``tracing`` (the
-planning trace), ``devices`` (host device, allocator statistics) and ``memory_facts`` (the planner's
+planning trace), ``devices`` (host device, allocator statistics) and ``step_memory`` (the planner's
 ``BackendFacts`` for this back end). This package re-exports the back-end contract (``keras_lms.offload.Backend``).
 """
 
@@ -36,13 +36,13 @@ from keras_lms.offload.tensorflow.devices import (
     reset_device_peak,
     validate_host_device,
 )
-from keras_lms.offload.tensorflow.memory_facts import memory_facts
 from keras_lms.offload.tensorflow.output_gradients import (
     fused_activation_grad,
     input_gradient_from_output,
     reads_own_output,
 )
 from keras_lms.offload.tensorflow.step import StepContext
+from keras_lms.offload.tensorflow.step_memory import memory_facts
 from keras_lms.offload.tensorflow.tracing import example_inputs, signature_of, spec_for, trace_calls
 
 __all__ = ["StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_lms.offload.tensorflow.memory_facts import FACTS
+from keras_lms.offload.tensorflow.step_memory import FACTS
 
 
 def _output_gradient_fns():
@@ -16,7 +16,7 @@ def _output_gradient_fns():
     the plain model in float32, with and without oneDNN, on inputs with exact zeros and near-ties
     (tests/offload/tensorflow/test_output_gradients.py). Only these four: keep a new entry only if that test
     shows it exact.
-    Which layers qualify is this back end's memory fact (``memory_facts.FACTS``), read by the planner too.
+    Which layers qualify is this back end's memory fact (``step_memory.FACTS``), read by the planner too.
     """
     return {
         "relu": lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),

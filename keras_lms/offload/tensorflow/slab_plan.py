@@ -1,7 +1,7 @@
 """Where a slab-computed call is cut: the slab plan of one layer call, from shapes alone (no TensorFlow).
 
 The TensorFlow back end computes an offloaded local call slab by slab (``slabs``); the planner's memory model
-needs the same cuts before anything runs (``memory_facts.TensorFlowFacts.slab_plans``), so they are decided
+needs the same cuts before anything runs (``step_memory.TensorFlowFacts.slab_plans``), so they are decided
 here, once, for both.
 """
 

@@ -56,7 +56,7 @@ and settings), ``transfer`` (copy streams, host copies, swap-ins, back-pressure)
 recompute), ``function`` (the autograd Function and the per-call record), ``no_recompute`` (output-based gradients,
 plain structural layers), ``lean_norm`` (BatchNorm's backward from the forward's statistics), ``lean_conv`` (a
 convolution's backward without recompute), ``step`` (the step context and swap-in scheduling), ``tracing`` (the
-planning trace), ``devices`` (host device, memory readings) and ``memory_facts`` (the planner's ``BackendFacts``
+planning trace), ``devices`` (host device, memory readings) and ``step_memory`` (the planner's ``BackendFacts``
 for this back end).
 This package re-exports what the rest of keras-lms, the tests and the benchmarks use, and holds the default
 settings ``CPU_HOST_COPIES`` and ``MAX_INFLIGHT_BYTES``: a model's step reads them from here when it starts, unless
@@ -74,13 +74,13 @@ from keras_lms.offload.torch.devices import (
     validate_host_device,
 )
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
-from keras_lms.offload.torch.memory_facts import memory_facts
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
 from keras_lms.offload.torch.offloader import Offloader, offloader_of
 from keras_lms.offload.torch.pool import HostBufferPool, clear_host_pool, host_pool
 from keras_lms.offload.torch.rng import _RngState
 from keras_lms.offload.torch.stats import TransferCounter, TransferStats, reset_transfer_stats, transfer_stats
 from keras_lms.offload.torch.step import StepContext, swap_in_order
+from keras_lms.offload.torch.step_memory import memory_facts
 from keras_lms.offload.torch.tracing import example_inputs, signature_of, spec_for, trace_calls
 from keras_lms.offload.torch.transfer import Transfer, _HostCopy, _SwapIn
 

@@ -21,12 +21,12 @@ import keras
 import torch
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms.offload.torch import memory_facts
+from keras_lms.offload.torch import step_memory
 
 
 def eligible(unit, tensors) -> bool:
     """Whether an offloaded call of ``unit`` on ``tensors`` may be differentiated without recompute."""
-    return (memory_facts.lean_convolution_call(unit) and len(tensors) == 1 and tensors[0].ndim == unit.rank + 2
+    return (step_memory.lean_convolution_call(unit) and len(tensors) == 1 and tensors[0].ndim == unit.rank + 2
             and not adapter.is_quantized(unit))
 
 

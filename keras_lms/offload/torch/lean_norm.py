@@ -21,7 +21,7 @@ import keras
 import torch
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms.offload.torch import memory_facts
+from keras_lms.offload.torch import step_memory
 
 
 def eligible(unit, config, tensors, kwargs) -> bool:
@@ -61,8 +61,8 @@ def capturing_moments(unit, record, x):
 
 # Rows (positions along every axis but the channels) per slab: the backward's float32 temporaries are at most
 # max(SLAB_ROWS, rows / SLABS) x channels elements, however large the input (the planner models the same).
-SLABS = memory_facts.LEAN_SLABS
-SLAB_ROWS = memory_facts.LEAN_SLAB_ROWS
+SLABS = step_memory.LEAN_SLABS
+SLAB_ROWS = step_memory.LEAN_SLAB_ROWS
 
 
 def _slabs(tensors, axis):

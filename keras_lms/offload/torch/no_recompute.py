@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import torch
 
-from keras_lms.offload.torch.memory_facts import FACTS
+from keras_lms.offload.torch.step_memory import FACTS
 from keras_lms.planning import layer_facts
 
 

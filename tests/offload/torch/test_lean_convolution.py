@@ -12,7 +12,7 @@ import keras_lms
 from benchmarks.models import build_unet
 from benchmarks.torch_cpu_peak import step_peak
 from keras_lms.offload import torch as lms_torch
-from keras_lms.offload.torch import lean_conv, memory_facts
+from keras_lms.offload.torch import lean_conv, step_memory
 from tests.oracle import compare_step
 
 pytestmark = pytest.mark.torch
@@ -57,7 +57,7 @@ def test_backward_is_bit_identical_to_autograd_through_keras_conv(layer, shape, 
     lambda: keras.layers.DepthwiseConv2D(3),
 ])
 def test_other_convolutions_are_recomputed(layer):
-    assert not memory_facts.lean_convolution_call(layer())
+    assert not step_memory.lean_convolution_call(layer())
 
 
 def _unet_step(lean_convolution, monkeypatch):

@@ -26,8 +26,8 @@ from benchmarks.models import build_unet
 from benchmarks.torch_cpu_peak import dense_chain, first_step_bytes, measure, predicted_step_bytes
 from keras_lms import planning
 from keras_lms.offload import torch as lms_torch
-from keras_lms.offload.tensorflow.memory_facts import TensorFlowFacts
-from keras_lms.offload.torch.memory_facts import TorchFacts
+from keras_lms.offload.tensorflow.step_memory import TensorFlowFacts
+from keras_lms.offload.torch.step_memory import TorchFacts
 
 pytestmark = pytest.mark.torch
 
