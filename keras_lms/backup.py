@@ -3,7 +3,8 @@
 Keras' `keras.callbacks.BackupAndRestore` rewrites its files in place and leaves out the random-seed state, so a
 kill at the wrong moment leaves a backup that does not load, pairs new weights with an old epoch, or resumes a
 model with Dropout on other masks than the uninterrupted run would have drawn. This callback keeps Keras'
-arguments and meanings and changes what is written and when (`keras_lms.backup_store` has the file protocol):
+arguments and meanings and changes what is written and when (`keras_lms.backup_store` has the file protocol,
+`keras_lms.backup_contents` the files, `keras_lms.backup_ranks` the agreement of Horovod ranks):
 
 * one backup is one unit: weights and optimizer (`model.save_weights`, the plain model's layout for a wrapped
   model), the random-seed generators' states and the metrics of the interrupted epoch (`state.npz`), and the
@@ -14,22 +15,18 @@ arguments and meanings and changes what is written and when (`keras_lms.backup_s
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import warnings
 
 import keras
-import numpy as np
 
 from keras_lms import _keras_adapter as adapter
+from keras_lms import backup_contents as contents
 from keras_lms import random_state
+from keras_lms.backup_contents import KERAS_FILES, STATE, WEIGHTS  # noqa: F401 - where users and tests read them
+from keras_lms.backup_ranks import agreed_backups
+from keras_lms.backup_ranks import distributed_horovod as _horovod
 from keras_lms.backup_store import Backup, BackupError, BackupStore
-
-WEIGHTS = "model.weights.h5"
-STATE = "state.npz"
-# What keras.callbacks.BackupAndRestore writes; read once, when a run switches from Keras' callback to this one.
-KERAS_FILES = ("latest.weights.h5", "training_metadata.json")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -149,14 +146,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             return os.path.abspath(self.backup_dir)
         return os.path.join(os.path.abspath(self.backup_dir), f"rank-{hvd.rank()}")
 
-    def _write_files(self, tmp: str) -> None:
-        _write_weights(self.model, os.path.join(tmp, WEIGHTS))
-        _write_state(self.model, os.path.join(tmp, STATE))
-
     def _save(self, steps: int) -> None:
-        meta = {"keras": keras.__version__, "backend": keras.backend.backend(),
-                "seed_variables": [v.path for v in random_state.seed_state_variables(self.model)]}
-        written = self._store.write(self._current_epoch, steps, self._write_files, meta)
+        written = self._store.write(self._current_epoch, steps, lambda tmp: contents.write(self.model, tmp),
+                                    contents.describe(self.model))
         self._store.prune(written, keep=2 if (self.double_checkpoint or self._hvd is not None) else 1)
 
     # --------------------------------------------------------------- resuming
@@ -198,7 +190,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._resume_state:  # (a backup of Keras' callback has none)
             random_state.restore_process(self._resume_state)
         if self._resume is not None:
-            _assign_metrics(self.model, _metrics(self._resume_state))
+            contents.assign_metrics(self.model, contents.metrics(self._resume_state))
 
     def _restore_newest(self) -> Backup | None:
         """Restore the newest usable backup (the one all ranks have, under Horovod) and return it; None: none yet."""
@@ -215,14 +207,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 problems.append(f"{backup.name}: {problem}")
         anyone_has_backups = bool(backups)
         if self._hvd is not None:  # the same decision on every rank, or one would wait forever for the others
-            candidates, anyone_has_backups = _agreed(self._hvd, candidates, problems, anyone_has_backups)
+            candidates, anyone_has_backups = agreed_backups(self._hvd, candidates, problems, anyone_has_backups)
         if not candidates:
             if anyone_has_backups:
                 raise BackupError(
                     f"BackupAndRestore: no usable backup in {store.directory!r} ({'; '.join(problems)}). Restore the "
                     "directory from a copy, or delete it to train from the start."
                 )
-            return None if self._hvd is not None else self._restore_keras_backup()
+            return None if self._hvd is not None else contents.load_keras_backup(self.model, store.directory)
         backup = candidates[0]
         if problems:
             warnings.warn(
@@ -232,54 +224,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         store.discard_newer_than(backup)  # damaged ones, or (Horovod) ones some rank did not finish
         store.remove_leftovers()
-        self._resume_state = self._load(backup)
+        self._resume_state = contents.load(self.model, backup)
         return backup
-
-    def _load(self, backup: Backup) -> dict:
-        """Restore `backup`'s weights, optimizer and random state; returns its state arrays (metrics included)."""
-        model = self.model
-        _build_optimizer(model)
-        try:
-            model.load_weights(backup.file(WEIGHTS))
-        except Exception as err:  # a checked file that does not load: another model wrote it
-            raise ValueError(
-                f"BackupAndRestore: the backup {backup.path!r} does not fit model {model.name!r} "
-                f"({_first_line(err)}). It was written for another model; use that model, or another backup_dir."
-            ) from None
-        with np.load(backup.file(STATE)) as state:
-            arrays = {name: state[name] for name in state.files}
-        random_state.restore_model(model, arrays, where=f"the backup {backup.path!r}")
-        return arrays
-
-    def _restore_keras_backup(self) -> Backup | None:
-        """Resume from files of `keras.callbacks.BackupAndRestore` in the directory, as Keras would."""
-        weights, metadata = (os.path.join(self._store.directory, name) for name in KERAS_FILES)
-        present = [os.path.basename(p) for p in (weights, metadata) if os.path.exists(p)]
-        if not present:
-            return None
-        where = self._store.directory
-        if len(present) == 1:
-            raise BackupError(
-                f"BackupAndRestore: {where!r} holds {present[0]} of keras.callbacks.BackupAndRestore without "
-                f"{({*KERAS_FILES} - {*present}).pop()}, so its position cannot be trusted. Restore the directory "
-                "from a copy, or delete it to train from the start."
-            )
-        try:
-            with open(metadata) as fh:
-                epoch = int(json.load(fh)["epoch"])
-            _build_optimizer(self.model)
-            self.model.load_weights(weights)
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise BackupError(
-                f"BackupAndRestore: the keras.callbacks.BackupAndRestore backup in {where!r} cannot be restored "
-                f"({_first_line(err)}). Restore the directory from a copy, or delete it to train from the start."
-            ) from None
-        warnings.warn(
-            f"BackupAndRestore: resuming from the backup of keras.callbacks.BackupAndRestore in {where!r} at the "
-            "start of its epoch, as Keras would; it holds no random-seed state, so this resume is not exact.",
-            stacklevel=3,
-        )
-        return Backup(where, epoch, 0)
 
     # ---------------------------------------------------------------- training
     def on_epoch_begin(self, epoch, logs=None):
@@ -332,75 +278,3 @@ class BackupAndRestore(keras.callbacks.Callback):
                     os.rmdir(os.path.abspath(self.backup_dir))  # the last rank to finish removes backup_dir
                 except OSError:
                     pass
-
-
-# ------------------------------------------------------------------ the state
-def _write_weights(model, path: str) -> None:
-    model.save_weights(path, overwrite=True)
-
-
-def _write_state(model, path: str) -> None:
-    arrays = random_state.capture(model)
-    arrays.update({f"metric_{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.metrics_variables)})
-    with open(path, "wb") as fh:
-        np.savez(fh, **arrays)
-
-
-def _metrics(arrays: dict) -> list:
-    return [arrays[f"metric_{i}"] for i in range(sum(name.startswith("metric_") for name in arrays))]
-
-
-def _assign_metrics(model, values: list) -> None:
-    variables = model.metrics_variables
-    if [tuple(v.shape) for v in variables] != [np.shape(a) for a in values]:
-        warnings.warn("BackupAndRestore: the model's metrics differ from the backup's; the interrupted epoch's "
-                      "logged metrics restart from zero (the weights are not affected).", stacklevel=3)
-        return
-    for variable, value in zip(variables, values):
-        variable.assign(value)
-
-
-def _build_optimizer(model) -> None:
-    """Create the optimizer's variables (Keras 3 does so at the first step) so that `load_weights` fills them."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not optimizer.built:
-        optimizer.build(model.trainable_variables)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-# ---------------------------------------------------------------- Horovod ranks
-def _horovod():
-    """Horovod's module when the program imported and initialised it with more than one rank, else None.
-
-    Read from `sys.modules`: Horovod is never imported here (a single-process run need not have it installed).
-    """
-    for name in ("horovod.tensorflow", "horovod.torch"):
-        hvd = sys.modules.get(name)
-        try:
-            if hvd is not None and hvd.is_initialized() and hvd.size() > 1:
-                return hvd
-        except (AttributeError, ValueError):
-            continue
-    return None
-
-
-def _agreed(hvd, candidates: list, problems: list, has_backups: bool) -> tuple[list, bool]:
-    """Of this rank's usable backups, those every rank has (newest first), and whether any rank has backups.
-
-    An allgather: every rank calls it, and every rank gets the same answer. A kill during a save can leave some
-    ranks with the new backup and others without it; resuming each rank from its own newest would start them at
-    different batches. The previous backup is always kept under Horovod, so there is a common one.
-    """
-    gathered = hvd.allgather_object(([b.name for b in candidates], has_backups), name="keras_lms_backup_and_restore")
-    common = set.intersection(*(set(names) for names, _ in gathered))
-    behind = [b.name for b in candidates if b.name not in common]
-    if behind:
-        problems.append(f"{', '.join(behind)}: not written by every rank")
-    anyone_has_backups = any(has for _, has in gathered)
-    if not common and anyone_has_backups:
-        problems.append("the ranks have no usable backup in common")
-    return [b for b in candidates if b.name in common], anyone_has_backups

@@ -13,8 +13,8 @@ How the wrapper class is made: like Horovod, a subclass of the optimizer's own c
 (`distributed_class`), with the inner class' name, module and serialisation name, so
 `isinstance(opt, keras.optimizers.SGD)` stays true and a saved model stores the plain inner optimizer.
 Besides `apply`, the mixin adds `register_local_var` (keep a variable's gradient local),
-`backward_passes_per_step` accumulation and the end-of-epoch marker that turns a rank-count mismatch into an
-error instead of a hang.
+`backward_passes_per_step` accumulation, the end-of-epoch marker that turns a rank-count mismatch into an
+error instead of a hang, and what an elastic commit and reset need (`aggregation_variables`, `forget_structure`).
 """
 
 from __future__ import annotations
@@ -101,6 +101,14 @@ class _DistributedMixin:
         object.__setattr__(self, "_hvd_acc_index", index)
         object.__setattr__(self, "_hvd_vars", list(variables))
         object.__setattr__(self, "_hvd_counter", counter)
+
+    def aggregation_variables(self) -> list:
+        """The `backward_passes_per_step` buffers and pass counter (empty without aggregation).
+
+        They are plain tf.Variables that Keras does not track (not in `optimizer.variables`), so whoever saves the
+        optimizer's whole state (an elastic commit) must ask for them here.
+        """
+        return [v for v in list(self._hvd_accumulators or []) + [self._hvd_counter] if v is not None]
 
     # ------------------------------------------------------------------------------------------ apply
     def apply(self, grads, trainable_variables=None):
@@ -268,6 +276,14 @@ class _DistributedMixin:
             return tf.constant(0)
 
         _marker()
+
+    def forget_structure(self) -> None:
+        """Forget the gradients' shapes that the end-of-epoch marker sends; the next training step records them.
+
+        An elastic reset calls it: the step is retraced for the new set of ranks, and until then there is no
+        structure to match. (Set with `object.__setattr__`, past Keras' tracking, so removed from the instance.)
+        """
+        vars(self).pop("_hvd_structure", None)
 
     def _hvd_groups(self, idx, keys):
         """Index lists, one grouped allreduce each (Horovod's `groups`): one group unless asked otherwise."""

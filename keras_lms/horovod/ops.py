@@ -4,12 +4,13 @@
 NumPy arrays, tensors) and return a `tf.Tensor`, with the arguments of `horovod.tensorflow.keras`
 (0.28.1). One difference: `name` names the *collective* (Horovod's Keras layer gives it to a constant it
 creates, and the collective is then named after that constant, so the names and their ordering still have
-to match across ranks). The constants and process-set functions are Horovod's own objects.
+to match across ranks). The constants and process-set functions are Horovod's own objects. `broadcast_variables`
+overwrites variables in place (the collective under `BroadcastGlobalVariablesCallback` and `KerasState.sync`).
 """
 
 from __future__ import annotations
 
-from ._hvd import hvd, tf
+from ._hvd import from_wire, hvd, tf, to_wire
 
 Average = hvd.Average
 Sum = hvd.Sum
@@ -69,3 +70,25 @@ def broadcast_global_variables(root_rank):
         "keras_lms.horovod.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
         f"keras_lms.horovod.broadcast_variables(model.variables + optimizer.variables, root_rank={root_rank!r})."
     )
+
+
+def broadcast_variables(variables, root_rank: int = 0, device: str = "") -> None:
+    """Overwrite `variables` on every rank with their values on `root_rank` (by value, in place).
+
+    All broadcasts are issued inside one `tf.function` so Horovod can fuse them, with explicit names that
+    are identical on every rank (the variable's position in the list). `device`: where the broadcast ops
+    are placed (`""`: Horovod's choice).
+    """
+    variables = list(variables)
+    if not variables or hvd.size() == 1:
+        return
+    values = [to_wire(tf.convert_to_tensor(v)) for v in variables]
+    dtypes = [tf.as_dtype(v.dtype) for v in variables]
+
+    @tf.function(autograph=False)
+    def _bcast(tensors):
+        with tf.device(device or None):
+            return [hvd.broadcast(t, root_rank, name=f"keras_lms_broadcast_{i}") for i, t in enumerate(tensors)]
+
+    for var, value, dtype in zip(variables, _bcast(values), dtypes):
+        var.assign(from_wire(value, dtype))

@@ -122,7 +122,8 @@ def init(
         hvd.init(comm=comm, process_sets=process_sets)
     elif process_sets:
         notes.append("Horovod was already initialised: process_sets were not added (use add_process_set)")
-    lrank, lsize = hvd.local_rank(), hvd.local_size()
+    placement = _placement()
+    lrank, lsize = placement["local_rank"], placement["local_size"]
     already = _tf_runtime_initialized()
 
     # 2. GPU pinning.
@@ -178,8 +179,8 @@ def init(
 
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     _INFO = HorovodInfo(
-        rank=hvd.rank(), size=hvd.size(), local_rank=lrank, local_size=lsize, controller=controller,
-        gpu=pinned, host_mem_limit_mb=host_mb, cpu_threads=threads, env_set=env_set, notes=tuple(notes),
+        **placement, controller=controller, gpu=pinned, host_mem_limit_mb=host_mb, cpu_threads=threads,
+        env_set=env_set, notes=tuple(notes),
     )
     for note in notes:
         warnings.warn(f"keras_lms.horovod.init(): {note}", RuntimeWarning, stacklevel=2)
@@ -195,8 +196,12 @@ def refresh_after_reset() -> None:
     """
     global _INFO
     if _INFO is not None:
-        _INFO = dataclasses.replace(_INFO, rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
-                                    local_size=hvd.local_size())
+        _INFO = dataclasses.replace(_INFO, **_placement())
+
+
+def _placement() -> dict[str, int]:
+    """This process's place in the job as Horovod now sees it: `HorovodInfo`'s rank, size, local rank and size."""
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size()}
 
 
 def info() -> HorovodInfo:

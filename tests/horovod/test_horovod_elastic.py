@@ -4,7 +4,9 @@
 Two "hosts" on one machine: ``localhost`` and ``127.0.0.1`` are both local addresses, so Horovod starts their
 workers here, and each is a host of its own to the elastic driver (which blacklists the host of a failed worker,
 as it would a dead node). The worker (tests/horovod/_elastic_worker.py) logs every commit and reset; the tests
-assert on those logs. Every launch has a hard timeout; its process group is killed on expiry.
+assert on those logs. Every launch has a hard timeout; its process group is killed on expiry. The "added" and
+"removed" cases share one job (1 -> 2 -> 1 ranks); the no-retrace control is killed once the job has been silent
+for `STALL` seconds after the join (a hang), rather than at the timeout.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.horovod.test_horovod_multirank import BIN, REPO, rank_env, skip_unless_available, tail
+from tests.horovod.test_horovod_multirank import HOROVODRUN, REPO, rank_env, skip_unless_available, tail
 
 pytestmark = pytest.mark.horovod
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_elastic_worker.py"
 TIMEOUT = 150  # seconds per launch; a job here takes 25-40 s on 2 cores
+STALL = 15  # seconds without a commit after a join that make a hang (a working job commits every few 0.1 s)
 HOSTS = ("localhost", "127.0.0.1")
 
 
@@ -43,7 +46,7 @@ class ElasticJob:
         script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         script.chmod(0o755)
         # --network-interface: without it the elastic driver waits for a second *machine* to probe interfaces.
-        self.command = [str(BIN / "horovodrun"), "--gloo", "--network-interface", "lo", "-np", str(np_),
+        self.command = [*HOROVODRUN, "--gloo", "--network-interface", "lo", "-np", str(np_),
                         "--min-np", str(min_np), "--max-np", str(max_np), "--host-discovery-script", str(script),
                         "--elastic-timeout", str(elastic_timeout), sys.executable, str(WORKER), str(self.out)]
         self.env = {**rank_env(), "ELASTIC_PACE": "0.15", **(env or {})}
@@ -62,25 +65,27 @@ class ElasticJob:
     def finals(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted(self.out.glob("final-*.json"))]
 
-    def run(self, when=None, then=None, timeout: float = TIMEOUT) -> tuple[int | None, str, float]:
-        """Launch; when ``when(events)`` first holds, call ``then()`` (e.g. change the hosts). Returns (rc, log, s)."""
+    def run(self, *steps, give_up=None, timeout: float = TIMEOUT) -> tuple[int | None, str, float]:
+        """Launch, and take `steps` in order: each a pair ``(when, then)``; once ``when(events)`` holds, ``then()``
+        is called (e.g. to change the hosts) and the next step waits. ``give_up(events)``: kill the job as soon
+        as it holds (a hang recognised sooner than by `timeout`). Returns (rc, log, seconds); rc None: killed."""
         t0 = time.monotonic()
         proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=self.env, cwd=REPO, start_new_session=True)
         chunks = []
         reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
         reader.start()
-        fired = when is None
+        pending = list(steps)
         rc = None
-        while time.monotonic() - t0 < timeout:
-            if not fired and when(self.events()):
-                then()
-                fired = True
+        while rc is None and time.monotonic() - t0 < timeout:
+            events = self.events() if pending or give_up else []
+            if pending and pending[0][0](events):
+                pending.pop(0)[1]()
             rc = proc.poll()
-            if rc is not None:
+            if rc is None and give_up is not None and give_up(events):
                 break
             time.sleep(0.2)
-        else:
+        if rc is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(5)
@@ -93,6 +98,25 @@ def commits(events):
 
 def after_commit(epoch: int, batch: int = 1):
     return lambda events: any(e["epoch"] >= epoch and e["batch"] >= batch for e in commits(events))
+
+
+def committed_by(size: int):
+    """True once `size` different workers have committed in a job of `size` ranks."""
+    return lambda events: len({e["pid"] for e in commits(events) if e["size"] == size}) >= size
+
+
+def joined(size: int):
+    """True once a rank has started, or reset, in a job of `size` ranks."""
+    return lambda events: any(e["event"] in ("start", "reset") and e["size"] == size for e in events)
+
+
+def stalled_after_join(size: int, seconds: float):
+    """True once `size` ranks have formed and then no rank logged anything (a commit every batch) for `seconds`.
+
+    A job that works commits every few tenths of a second, and takes a few seconds after a join (sync, retrace);
+    `seconds` of silence after the join is a hang.
+    """
+    return lambda events: joined(size)(events) and time.time() - events[-1]["time"] > seconds
 
 
 @pytest.fixture(autouse=True)
@@ -146,14 +170,28 @@ def test_control_upstream_run_does_not_recover_from_a_killed_rank(tmp_path):
     assert rc != 0 or all(f["epoch"] < 3 and f["memory_logs"] is None for f in finals), (rc, finals)
 
 
-def test_rank_added_mid_run_joins_with_the_committed_state(tmp_path):
-    """1 -> 2 ranks at epoch 1: the new worker gets rank 0's state and both finish with the same weights."""
-    job = ElasticJob(tmp_path, [f"{HOSTS[0]}:1"], 1, 1, 2, env={"ELASTIC_EPOCHS": "3", "ELASTIC_STEPS": "8"})
-    rc, log, _ = job.run(when=after_commit(1, 1), then=lambda: job.set_hosts([f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"]))
-    assert_one_job(job, rc, log, size_after=2)
+@pytest.fixture(scope="module")
+def grown_then_shrunk(tmp_path_factory):
+    """One job, 1 -> 2 -> 1 ranks (one launch for the "added" and the "removed" test): the second host is listed at
+    epoch 0, batch 2, and removed again once both ranks have committed at size 2. The first rank trains on while
+    the new worker starts (about 10 s); 4 epochs leave it more than an epoch to notice the removal."""
+    skip_unless_available("gloo")
+    job = ElasticJob(tmp_path_factory.mktemp("grow_shrink"), [f"{HOSTS[0]}:1"], 1, 1, 2,
+                     env={"ELASTIC_EPOCHS": "4", "ELASTIC_STEPS": "8"})
+    both = [f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"]
+    rc, log, _ = job.run((after_commit(0, 2), lambda: job.set_hosts(both)),
+                         (committed_by(2), lambda: job.set_hosts([f"{HOSTS[0]}:1"])))
+    finals = assert_one_job(job, rc, log, size_after=1, epochs=4)
+    return job, finals
+
+
+def test_rank_added_mid_run_joins_with_the_committed_state(grown_then_shrunk):
+    """1 -> 2 ranks mid-run: the new worker gets rank 0's state, and both commit the same weights."""
+    job, _ = grown_then_shrunk
     events = job.events()
     assert any(e["event"] == "reset" and e["size"] == 2 for e in events), "no reset to 2 ranks"
     two = [e for e in commits(events) if e["size"] == 2]
+    assert len({e["pid"] for e in two}) == 2, "the new rank did not train"
     by_batch = {}
     for e in two:
         by_batch.setdefault((e["epoch"], e["batch"]), set()).add(e["weights"])
@@ -166,21 +204,18 @@ def test_control_without_retrace_the_added_rank_trains_apart(tmp_path):
     ends, the weights differ."""
     job = ElasticJob(tmp_path, [f"{HOSTS[0]}:1"], 1, 1, 2, env={"ELASTIC_CONTROL": "no_retrace",
                                                                  "ELASTIC_EPOCHS": "3", "ELASTIC_STEPS": "8"})
-    rc, log, _ = job.run(when=after_commit(1, 1), then=lambda: job.set_hosts([f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"]),
-                         timeout=60)
-    joined = [e for e in job.events() if e["event"] in ("start", "reset") and e["size"] == 2]
-    assert joined, f"the second rank never joined, so the control shows nothing:\n{tail(log)}"
+    rc, log, _ = job.run((after_commit(1, 1), lambda: job.set_hosts([f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"])),
+                         give_up=stalled_after_join(2, STALL), timeout=60)
+    assert joined(2)(job.events()), f"the second rank never joined, so the control shows nothing:\n{tail(log)}"
     finals = job.finals()
     assert rc is None or rc != 0 or len({f["weights"] for f in finals}) > 1, finals
 
 
-def test_rank_removed_mid_run_by_discovery(tmp_path):
-    """2 -> 1 rank at epoch 1 (the host leaves the discovery output): the remaining rank finishes."""
-    job = ElasticJob(tmp_path, [f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"], 2, 1, 2,
-                     env={"ELASTIC_EPOCHS": "3", "ELASTIC_STEPS": "8"})
-    rc, log, _ = job.run(when=after_commit(1, 1), then=lambda: job.set_hosts([f"{HOSTS[0]}:1"]))
-    assert_one_job(job, rc, log, size_after=1)
+def test_rank_removed_mid_run_by_discovery(grown_then_shrunk):
+    """2 -> 1 rank (the host leaves the discovery output): the remaining rank resets to 1 and finishes."""
+    job, finals = grown_then_shrunk
     assert any(e["event"] == "reset" and e["size"] == 1 for e in job.events())
+    assert [f["size"] for f in finals] == [1]
 
 
 def test_fewer_than_min_np_every_rank_exits_nonzero_within_60s(tmp_path):
@@ -188,7 +223,7 @@ def test_fewer_than_min_np_every_rank_exits_nonzero_within_60s(tmp_path):
     job = ElasticJob(tmp_path, [f"{HOSTS[0]}:1", f"{HOSTS[1]}:1"], 2, 2, 2, elastic_timeout=10,
                      env={"ELASTIC_KILL": "1:3:1", "ELASTIC_EPOCHS": "3"})
     t_kill = []
-    rc, log, secs = job.run(when=lambda ev: (job.out / "killed").exists(), then=lambda: t_kill.append(time.time()))
+    rc, log, secs = job.run((lambda ev: (job.out / "killed").exists(), lambda: t_kill.append(time.time())))
     assert rc is not None, f"hung:\n{tail(log)}"
     assert rc != 0 and not job.finals(), tail(log)
     assert t_kill and time.time() - t_kill[0] <= 60 + 10, "the job took longer than 60 s past the elastic timeout"
@@ -196,22 +231,6 @@ def test_fewer_than_min_np_every_rank_exits_nonzero_within_60s(tmp_path):
 
     codes = [int(c) for c in re.findall(r"Process \d+ exit with status code (-?\d+)", log)]
     assert codes and all(c != 0 for c in codes), tail(log)  # every rank ended with an error
-
-
-def test_horovods_own_elastic_state_test_passes(tmp_path):
-    """Horovod's `test_elastic_state` (its Keras suite), imports changed, on 2 ranks: plain, wrapped and mixed
-    precision pass; the control (Horovod's own `horovod.tensorflow.keras.elastic.KerasState`) fails on Keras 3."""
-    from tests.horovod.test_horovod_multirank import launch
-
-    rc, log, _ = launch("gloo", HERE / "_elastic_state_worker.py", tmp_path, TIMEOUT)
-    assert rc == 0, tail(log)
-    for rank in (0, 1):
-        results = json.loads((tmp_path / f"state-{rank}.json").read_text())
-        for case in ("plain", "wrapped", "mixed_float16"):
-            assert results[case]["ok"], f"rank {rank}, {case}:\n{results[case]['error']}"
-        assert results["mixed_float16"]["optimizer_variables"] > results["plain"]["optimizer_variables"]
-        assert not results["control_upstream"]["ok"], "Horovod's own KerasState should fail on Keras 3"
-        assert "is not callable" in results["control_upstream"]["error"]
 
 
 def test_reset_retraces_and_rechecks_host_memory_for_the_ranks_now_on_the_node(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.horovod
 if keras.backend.backend() != "tensorflow":  # pragma: no cover - conftest already skips tests/horovod on torch
     pytest.skip("keras_lms.horovod needs the TensorFlow backend", allow_module_level=True)
-lhvd_callbacks = pytest.importorskip("keras_lms.horovod.callbacks", exc_type=ImportError)
+lr_callbacks = pytest.importorskip("keras_lms.horovod.learning_rate", exc_type=ImportError)
 
 
 def compiled(optimizer):
@@ -22,7 +22,7 @@ def compiled(optimizer):
                                   lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))])
 def test_a_float_learning_rate_is_settable(make):
     model = compiled(make())
-    assert lhvd_callbacks._settable_lr_optimizer(model) is model.optimizer
+    assert lr_callbacks._settable_lr_optimizer(model) is model.optimizer
 
 
 @pytest.mark.parametrize("learning_rate,named", [
@@ -31,12 +31,12 @@ def test_a_float_learning_rate_is_settable(make):
 ])
 def test_a_schedule_or_callable_learning_rate_is_refused_by_name(learning_rate, named):
     with pytest.raises(ValueError, match=rf"float learning_rate.*uses {named}"):
-        lhvd_callbacks._settable_lr_optimizer(compiled(keras.optimizers.SGD(learning_rate)))
+        lr_callbacks._settable_lr_optimizer(compiled(keras.optimizers.SGD(learning_rate)))
 
 
 def test_no_optimizer_is_refused():
     with pytest.raises(ValueError, match="no optimizer"):
-        lhvd_callbacks._settable_lr_optimizer(keras.Sequential([keras.layers.Dense(1)]))
+        lr_callbacks._settable_lr_optimizer(keras.Sequential([keras.layers.Dense(1)]))
 
 
 @pytest.mark.parametrize("make,count", [
@@ -49,9 +49,9 @@ def test_no_optimizer_is_refused():
 ])
 def test_momentum_buffers_are_the_optimizers_momentum_variables(make, count):
     model = compiled(make())
-    assert lhvd_callbacks._momentum_buffers(model.optimizer) == []  # not built yet: nothing to correct
+    assert lr_callbacks._momentum_buffers(model.optimizer) == []  # not built yet: nothing to correct
     model.optimizer.build(model.trainable_variables)
-    buffers = lhvd_callbacks._momentum_buffers(model.optimizer)
+    buffers = lr_callbacks._momentum_buffers(model.optimizer)
     assert len(buffers) == count
     optimizer_variables = getattr(model.optimizer, "inner_optimizer", model.optimizer).variables
     for buffer, weight in zip(buffers, model.trainable_variables):

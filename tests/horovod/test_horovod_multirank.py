@@ -27,6 +27,8 @@ REPO = HERE.parents[1]
 BIN = Path(sys.executable).parent
 WORKER = HERE / "_worker.py"
 FAULT_WORKER = HERE / "_fault_worker.py"
+# Horovod's horovodrun, less the build check that imports TensorFlow before every launch (see the script).
+HOROVODRUN = [sys.executable, str(HERE / "_horovodrun.py")]
 LAUNCH_TIMEOUT = 240  # seconds per 2-rank launch; the worker needs ~20 s on 2 cores
 TOL = 1e-5
 
@@ -64,8 +66,7 @@ def rank_env() -> dict:
 
 def launcher_command(kind: str, script: Path, outdir: Path) -> list[str]:
     if kind == "gloo":
-        return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
-                str(outdir)]
+        return [*HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script), str(outdir)]
     if kind == "mpi":
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         # No core binding and yielding waits: on a 2-core machine that also runs other work, OpenMPI's default
@@ -357,54 +358,47 @@ def test_failing_rank_ends_job_quickly(kind, tmp_path):
     assert secs < 60, f"took {secs:.1f}s"
 
 
-NAME_SKEW_WORKER = HERE / "_name_skew_worker.py"
-
-
-@pytest.mark.parametrize("kind", ["gloo", "mpi"])
-def test_layer_name_skew_across_ranks_does_not_hang(kind, tmp_path):
-    """Ranks that built different numbers of layers before the model still allreduce the same gradients."""
-    skip_unless_available(kind)
-    rc, out, secs = launch(kind, NAME_SKEW_WORKER, tmp_path, timeout=150)
-    assert rc is not None, f"{kind}: the job hung ({secs:.0f} s) when layer names differ across ranks:\n{tail(out)}"
-    assert rc == 0, f"{kind} launch failed with exit code {rc}:\n{tail(out)}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["layers"] != ranks[1]["layers"], "negative control: the layer names must differ"
-    np.testing.assert_allclose(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=1e-6)
-
-
 STEPS_WORKER = HERE / "_steps_worker.py"
 
 
-def test_different_batch_counts_fail_fast_on_every_rank(tmp_path):
-    """8 vs 6 batches per epoch (arrays): every rank raises at train begin naming the sharding (was: a hang)."""
+@pytest.fixture(scope="module")
+def steps_job(tmp_path_factory):
+    """One gloo launch of _steps_worker.py: 8 vs 6 batches per epoch from arrays (known), then generators (unknown)."""
     skip_unless_available("gloo")
-    rc, out, secs = launch("gloo", STEPS_WORKER, tmp_path, timeout=120, env={"KERAS_LMS_STEPS_MODE": "known"})
+    outdir = tmp_path_factory.mktemp("steps")
+    started = time.time()
+    rc, out, secs = launch("gloo", STEPS_WORKER, outdir, timeout=210)
     assert rc is not None, f"the job hung ({secs:.0f} s) with different batch counts per rank:\n{tail(out)}"
-    assert rc != 0, tail(out)
+    return {"dir": outdir, "rc": rc, "out": out, "started": started, "ended": time.time()}
+
+
+def test_different_batch_counts_fail_fast_on_every_rank(steps_job):
+    """8 vs 6 batches per epoch (arrays): every rank raises at train begin naming the sharding (was: a hang)."""
+    known, out = steps_job["dir"] / "known", steps_job["out"]
     for r in range(2):
-        assert (tmp_path / f"started{r}").exists(), tail(out)
-        assert not (tmp_path / f"epoch_end{r}").exists(), "must fail before training, not after an epoch"
-        err = (tmp_path / f"error{r}").read_text()
+        assert (known / f"started{r}").exists(), tail(out)
+        assert not (known / f"epoch_end{r}").exists(), "must fail before training, not after an epoch"
+        assert (known / f"error{r}").exists(), f"rank {r} did not fail:\n{tail(out)}"
+        err = (known / f"error{r}").read_text()
         assert err.startswith("ValueError") and "rank 0: 8, rank 1: 6" in err and "shard" in err, err
-    assert secs < 60, f"took {secs:.1f}s"
+        secs = float((known / f"failed_at{r}").read_text()) - steps_job["started"]
+        assert secs < 60, f"rank {r} failed {secs:.1f} s after the launch"
 
 
-def test_unknown_batch_counts_fail_at_the_first_epoch_end(tmp_path):
+def test_unknown_batch_counts_fail_at_the_first_epoch_end(steps_job):
     """Generators (steps unknown up front), 8 vs 6 batches: the rank whose epoch ends first sends an
     end-of-epoch marker that pairs with the other rank's gradient allreduce; both raise, naming the sharding,
     within 60 s of the divergence (was: a hang)."""
-    skip_unless_available("gloo")
-    rc, out, secs = launch("gloo", STEPS_WORKER, tmp_path, timeout=150, env={"KERAS_LMS_STEPS_MODE": "unknown"})
-    end = time.time()
-    assert rc is not None, f"the job hung ({secs:.0f} s) with different batch counts per rank:\n{tail(out)}"
-    assert rc != 0, tail(out)
-    diverged = float((tmp_path / "epoch_end1").read_text())  # rank 1 ran out of data first
-    assert not (tmp_path / "epoch_end0").exists()
+    unknown, out = steps_job["dir"] / "unknown", steps_job["out"]
+    assert steps_job["rc"] != 0, tail(out)
+    diverged = float((unknown / "epoch_end1").read_text())  # rank 1 ran out of data first
+    assert not (unknown / "epoch_end0").exists()
+    end = steps_job["ended"]
     assert end - diverged < 60, f"the job ended {end - diverged:.0f} s after the ranks diverged"
     for r in range(2):
-        assert not (tmp_path / f"finished{r}").exists()
-        assert (tmp_path / f"error{r}").exists(), f"rank {r} did not fail:\n{tail(out)}"
-        err = (tmp_path / f"error{r}").read_text()
+        assert not (unknown / f"finished{r}").exists()
+        assert (unknown / f"error{r}").exists(), f"rank {r} did not fail:\n{tail(out)}"
+        err = (unknown / f"error{r}").read_text()
         assert "different numbers of training batches" in err and "shard" in err, err[:3000]
 
 
@@ -508,6 +502,26 @@ def test_best_model_checkpoint_and_device(run):
     for r, b in zip(run["ranks"], scenario(run, "best_checkpoint_and_device")):
         assert b["written"] == (r["rank"] == 0) and b["loads"] == (r["rank"] == 0)
         assert "filepath" in b["missing_path_error"]
+
+
+def test_layer_name_skew_across_ranks_does_not_hang(run):
+    """Ranks that built different numbers of layers before the model still allreduce the same gradients (a hang
+    here would time the whole launch out)."""
+    need_two_ranks(run)
+    ranks = scenario(run, "layer_name_skew")
+    assert ranks[0]["layers"] != ranks[1]["layers"], "negative control: the layer names must differ"
+    np.testing.assert_allclose(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=1e-6)
+
+
+def test_horovods_own_elastic_state_test_passes(run):
+    """Horovod's `test_elastic_state` (its Keras suite), imports changed: plain, wrapped and mixed precision pass;
+    the control (Horovod's own `horovod.tensorflow.keras.elastic.KerasState`) fails on Keras 3."""
+    for results in scenario(run, "upstream_elastic_state"):
+        for case in ("plain", "wrapped", "mixed_float16"):
+            assert results[case]["ok"], f"{case}:\n{results[case]['error']}"
+        assert results["mixed_float16"]["optimizer_variables"] > results["plain"]["optimizer_variables"]
+        assert not results["control_upstream"]["ok"], "Horovod's own KerasState should fail on Keras 3"
+        assert "is not callable" in results["control_upstream"]["error"]
 
 
 def test_load_model_custom_optimizers(run):

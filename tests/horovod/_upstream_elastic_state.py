@@ -1,12 +1,12 @@
 """Horovod's own `test_elastic_state` (test/parallel/test_tensorflow2_keras.py, 0.28.1) against
 keras_lms.horovod, with only the imports changed (`import keras_lms.horovod as hvd`, `keras` for `tf.keras`), run
-for a plain model, a `keras_lms.wrap`-ped model and under mixed precision (a LossScaleOptimizer). Launched on 2
-ranks by tests/horovod/test_horovod_elastic.py; writes ``OUTDIR/state-<rank>.json`` with each case's outcome.
+for a plain model, a `keras_lms.wrap`-ped model and under mixed precision (a LossScaleOptimizer).
+
+`run_cases()` is a scenario of tests/horovod/_worker.py (it needs `hvd.init()` first, and runs collectives on every
+rank); tests/horovod/test_horovod_multirank.py asserts on its outcome per case. It needs no elastic launch: the
+state's `sync`/`commit`/`restore` work in a plain one, as in Horovod's own suite.
 """
 
-import json
-import os
-import sys
 import traceback
 
 import keras
@@ -15,8 +15,6 @@ import tensorflow as tf
 
 import keras_lms
 import keras_lms.horovod as hvd
-
-hvd.init()
 
 
 def assert_all_close(a, b):
@@ -96,13 +94,18 @@ def upstream_elastic():
     return elastic
 
 
-results = {}
-for case in ("plain", "wrapped", "mixed_float16", "control_upstream"):
-    keras.mixed_precision.set_global_policy("mixed_float16" if case == "mixed_float16" else "float32")
+def run_cases() -> dict:
+    """Each case's outcome: `{"ok": True, "optimizer_variables": n}` or `{"ok": False, "error": traceback}`."""
+    results = {}
     try:
-        elastic = upstream_elastic() if case == "control_upstream" else None
-        results[case] = {"ok": True, "optimizer_variables": upstream_test_elastic_state(case == "wrapped", elastic)}
-    except Exception:
-        results[case] = {"ok": False, "error": traceback.format_exc()[-600:]}
-with open(os.path.join(sys.argv[1], f"state-{hvd.rank()}.json"), "w") as f:
-    json.dump(results, f)
+        for case in ("plain", "wrapped", "mixed_float16", "control_upstream"):
+            keras.mixed_precision.set_global_policy("mixed_float16" if case == "mixed_float16" else "float32")
+            try:
+                elastic = upstream_elastic() if case == "control_upstream" else None
+                results[case] = {"ok": True,
+                                 "optimizer_variables": upstream_test_elastic_state(case == "wrapped", elastic)}
+            except Exception:
+                results[case] = {"ok": False, "error": traceback.format_exc()[-600:]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return results
