@@ -3,6 +3,7 @@ imports no back end, nothing outside the back ends branches on a back end's name
 
 import ast
 import pathlib
+import re
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_lms"
 
@@ -176,3 +177,37 @@ def test_layer_facts_are_defined_once():
         text = path.read_text()
         assert '"GlobalAveragePooling1D", "GlobalAveragePooling2D"' not in text, path  # the structural table
         assert "not unit.max_value and not unit.negative_slope" not in text, path
+
+
+def design_file_map(text: str) -> set:
+    """The module paths (relative to keras_lms/) listed in docs/design.md's "Data path" file map."""
+    start = text.index("```\nkeras_lms/")
+    block = text[start:text.index("```", start + 4)].splitlines()[2:]
+    listed, stack = set(), []
+    for line in block:
+        match = re.match(r"^( +)(\S+)", line)
+        if not match or not match.group(2).endswith((".py", "/")):
+            continue
+        indent, name = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        listed.add("".join(part for _, part in stack) + name)
+        if name.endswith("/"):
+            stack.append((indent, name))
+    return listed
+
+
+def test_the_design_file_map_matches_the_tree():
+    """docs/design.md lists every module of the package (but package __init__s) and no module that is gone."""
+    listed = design_file_map((PACKAGE.parent / "docs" / "design.md").read_text())
+    tree = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert sorted(t for t in tree if t not in listed and not t.endswith("__init__.py")) == []
+    assert sorted(m for m in listed if m.endswith(".py") and m not in tree) == []
+
+
+def test_the_file_map_check_sees_a_missing_module():
+    """Negative control: a map without planning/step.py, and one with a module that is gone."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    assert "planning/step.py" in design_file_map(text)
+    assert "planning/step.py" not in design_file_map(text.replace("    step.py          plan_step", "    x"))
+    assert "planner.py" in design_file_map(text.replace("  config.py ", "  planner.py x\n  config.py "))
