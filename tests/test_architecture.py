@@ -122,10 +122,10 @@ def test_planning_import_check_finds_a_planted_import():
 
 
 BACKEND_NAMES = ("tensorflow", "torch", "jax")
-# Outside keras_lms/offload/ only these may compare with a back end's name: the adapter over Keras' private API,
-# whose internals differ per Keras back end (the train function's input, the torch tree utilities), and
+# Outside keras_lms/offload/ only these may compare with a back end's name: the adapter's passing over trained
+# batches, which reads Keras' private train function, whose input differs per Keras back end, and
 # keras_lms.horovod's import-time refusal of a back end other than TensorFlow.
-BACKEND_BRANCH_ALLOWED = ("offload/", "_keras_adapter/", "horovod/_hvd.py")
+BACKEND_BRANCH_ALLOWED = ("offload/", "_keras_adapter/training.py", "horovod/_hvd.py")
 
 
 def backend_name_branches(source: str) -> list:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import keras
-
 # Note: [Keras' torch trees keep tensors alive until the cyclic garbage collector runs]
 # keras/src/tree/torchtree_impl.py (Keras 3.15) flattens one level of a structure with
 # ``torch_tree.tree_flatten(structure, is_leaf=lambda x: x is not structure)`` in ``_dict_to_ordered_dict`` and
@@ -90,12 +88,9 @@ _ACYCLIC_DEPTH = [0, None]  # [holders, the original functions while installed]
 def acyclic_torch_trees():
     """Within the block (any thread), Keras' torch tree utilities create no reference cycles.
 
-    Process-wide and reentrant (a counter under a lock): the forward pass of a wrapped step and each backward
-    recompute hold it; the originals come back when the last holder leaves. A no-op on other back ends.
+    Process-wide and reentrant (a counter under a lock): the torch back end's forward pass of a wrapped step and
+    each backward recompute hold it; the originals come back when the last holder leaves.
     """
-    if keras.backend.backend() != "torch":
-        yield
-        return
     from keras.src.tree import torchtree_impl as impl
 
     with _ACYCLIC_LOCK:
