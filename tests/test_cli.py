@@ -1,10 +1,65 @@
-"""The `keras-lms` command (keras_lms/cli.py): a bad flag or a damaged file is one line on stderr, exit status 2."""
+"""The `keras-lms` command (keras_lms/cli.py): `report` and `info` in a real subprocess, quiet about TensorFlow's
+start-up unless `--verbose`; a bad flag or a damaged file is one line on stderr, exit status 2."""
 
+import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
+import keras
 import pytest
+from PIL import Image
 
 from tests import models
+
+# TensorFlow's start-up lines that the command hides (keras_lms/__init__.py sets TF_CPP_MIN_LOG_LEVEL before
+# TensorFlow is imported); tests/conftest.py sets the level for the test process, so the subprocesses drop it.
+NOISE = ("cpu_feature_guard", "absl::InitializeLog", "oneDNN")
+QUIET_ENV = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+
+
+def _noise(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if any(n in line for n in NOISE)]
+
+
+def test_cli_report_and_info(tmp_path):
+    """`python -m keras_lms.cli report/info`: the answers, a PNG, JSON, and no TensorFlow start-up lines."""
+    path = tmp_path / "m.keras"
+    models.unet2d().save(path)
+    png = tmp_path / "out.png"
+    cmd = [sys.executable, "-m", "keras_lms.cli"]
+    out = subprocess.run(cmd + ["report", str(path), "--batch-size", "4", "--budget", "6GiB", "--plot", str(png)],
+                         capture_output=True, text=True, timeout=300, env=QUIET_ENV)
+    assert out.returncode == 0, out.stderr
+    assert "predicted device peak" in out.stdout and "LMS not needed" in out.stdout
+    assert not _noise(out.stderr), out.stderr
+    with Image.open(png) as img:
+        assert img.size == (900, 450)
+    js = subprocess.run(cmd + ["report", str(path), "--batch-size", "2", "--json"], capture_output=True, text=True,
+                        timeout=300)
+    assert js.returncode == 0, js.stderr
+    assert json.loads(js.stdout)["batch_size"] == 2
+    info = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300, env=QUIET_ENV)
+    data = json.loads(info.stdout)
+    assert data["keras"] == keras.__version__ and data["host_ram_total_gib"] > 0
+    assert not _noise(info.stderr), info.stderr
+    bad = subprocess.run(cmd + ["report", str(tmp_path / "missing.keras"), "--batch-size", "1"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "no such model file" in bad.stderr
+
+
+def test_cli_prints_no_tensorflow_start_up_logs_unless_verbose():
+    """The installed `keras-lms` command: `info` without TensorFlow's start-up lines on stderr; `--verbose` keeps
+    them (the control: it shows the lines exist to be hidden). `python -m keras_lms.cli` is checked above."""
+    cmd = [str(pathlib.Path(sys.executable).parent / "keras-lms")]
+    quiet = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300, env=QUIET_ENV)
+    assert quiet.returncode == 0, quiet.stderr
+    assert not _noise(quiet.stderr), quiet.stderr
+    loud = subprocess.run(cmd + ["--verbose", "info", "--json"], capture_output=True, text=True, timeout=300,
+                          env=QUIET_ENV)
+    assert loud.returncode == 0 and _noise(loud.stderr), loud.stderr
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,6 @@
-"""Activation report, budget planner, host-memory guard and the keras-lms CLI."""
+"""Activation report, budget planner and host-memory guard (the keras-lms command: tests/test_cli.py)."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -126,29 +122,6 @@ def test_host_memory_guard(monkeypatch):
     wrapped(x, training=True)
 
 
-def test_cli_report_and_info(tmp_path):
-    path = tmp_path / "m.keras"
-    models.unet2d().save(path)
-    png = tmp_path / "out.png"
-    cmd = [sys.executable, "-m", "keras_lms.cli"]
-    out = subprocess.run(cmd + ["report", str(path), "--batch-size", "4", "--budget", "6GiB", "--plot", str(png)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "predicted device peak" in out.stdout and "LMS not needed" in out.stdout
-    with Image.open(png) as img:
-        assert img.size == (900, 450)
-    js = subprocess.run(cmd + ["report", str(path), "--batch-size", "2", "--json"], capture_output=True, text=True,
-                        timeout=300)
-    assert js.returncode == 0, js.stderr
-    assert json.loads(js.stdout)["batch_size"] == 2
-    info = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300)
-    data = json.loads(info.stdout)
-    assert data["keras"] == keras.__version__ and data["host_ram_total_gib"] > 0
-    bad = subprocess.run(cmd + ["report", str(tmp_path / "missing.keras"), "--batch-size", "1"], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and "no such model file" in bad.stderr
-
-
 def test_uncalled_sequential_with_input_is_reported_and_planned():
     """``model.input`` raises on a Sequential built with keras.Input that was never called; its inputs are known."""
     model = keras.Sequential([keras.Input((64, 64, 3)), keras.layers.Conv2D(8, 3, padding="same"),
@@ -157,25 +130,3 @@ def test_uncalled_sequential_with_input_is_reported_and_planned():
     assert rep.rows and rep.totals["predicted_peak_bytes_plain"] > 0
     wrapped = keras_lms.wrap(model, min_bytes=0, device_budget="1GiB")
     assert wrapped.lms_plan
-
-
-@pytest.mark.parametrize("how", [["keras-lms"], ["-m", "keras_lms.cli"]])
-def test_cli_prints_no_tensorflow_start_up_logs_unless_verbose(how, tmp_path):
-    """`keras-lms info` / `report`: the answer without absl/oneDNN/cpu_feature_guard lines on stderr; `--verbose`
-    keeps them (the control: it shows the lines exist to be hidden)."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    cmd = [str(pathlib.Path(sys.executable).parent / "keras-lms")] if how == ["keras-lms"] else [sys.executable, *how]
-    noise = ("cpu_feature_guard", "absl::InitializeLog", "oneDNN")
-    quiet = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300, env=env)
-    assert quiet.returncode == 0, quiet.stderr
-    assert not [line for line in quiet.stderr.splitlines() if any(n in line for n in noise)], quiet.stderr
-    path = tmp_path / "m.keras"
-    models.unet2d().save(path)
-    report = subprocess.run(cmd + ["report", str(path), "--batch-size", "2"], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert report.returncode == 0 and "predicted device peak" in report.stdout, report.stderr
-    assert not [line for line in report.stderr.splitlines() if any(n in line for n in noise)], report.stderr
-    if how == ["keras-lms"]:
-        loud = subprocess.run(cmd + ["--verbose", "info", "--json"], capture_output=True, text=True, timeout=300,
-                              env=env)
-        assert loud.returncode == 0 and any(n in loud.stderr for n in noise), loud.stderr
