@@ -106,8 +106,9 @@ class Backend(Protocol):
         """A placeholder spec for `trace_calls` from a shape (with the batch axis) and a dtype."""
         ...
 
-    def offloadable_reason(self, unit, structure=None) -> str | None:
-        """Why this back end cannot offload the unit's calls, or None when it can."""
+    def offloadable_reason(self, unit) -> str | None:
+        """Why this back end cannot offload the unit's calls, or None when it can (what only a planning trace finds
+        out, such as tied weights on torch, is on the plan: `PlanEntry.unoffloadable`)."""
         ...
 
     def input_gradient_from_output(self, unit) -> Callable | None:

@@ -70,7 +70,7 @@ def declared_inputs(model):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
-def offloadable_reason(unit, structure=None, foreign=None) -> str | None:
+def offloadable_reason(unit, foreign=None) -> str | None:
     """Why the back end cannot offload this unit's calls, or None if it can.
 
     ``foreign`` lists what the planning trace found out about the unit: the paths of trainable variables of other
@@ -157,7 +157,7 @@ class CallRecorder:
                 keys=[id(t) for t in tensors],
                 output_shapes=[facts.shape(t) for t in outs],
                 output_dtypes=[facts.dtype(t) for t in outs],
-                offloadable=offloadable_reason(unit, self.structure, foreign),
+                offloadable=offloadable_reason(unit, foreign),
                 output_keys=[id(t) for t in outs],
             ))
             return outputs
@@ -211,7 +211,7 @@ class InterceptingContext:
         """The plan's decision for call ``index`` of ``unit`` on ``tensors`` (see ``planned_decision``)."""
         sizes = [self.tensor_bytes(t) for t in tensors]
         ranks = [self.tensor_rank(t) for t in tensors]
-        reason = offloadable_reason(unit, self.structure) or self.unoffloadable.get(unit.name)
+        reason = offloadable_reason(unit) or self.unoffloadable.get(unit.name)
         return planned_decision(self, index, unit, sizes, ranks, reason)
 
     def forward_scope(self):

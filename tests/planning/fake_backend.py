@@ -76,7 +76,7 @@ def trace_calls(model, structure, inputs, kwargs) -> list:
             unit=unit, enclosing=structure.unit_models.get(id(unit), []),
             shapes=[list(t.shape) for t in ins], dtypes=[str(t.dtype) for t in ins], ranks=[len(t.shape) for t in ins],
             keys=[id(t) for t in ins], output_shapes=[list(t.shape) for t in outs],
-            output_dtypes=[str(t.dtype) for t in outs], offloadable=offloadable_reason(unit, structure),
+            output_dtypes=[str(t.dtype) for t in outs], offloadable=offloadable_reason(unit),
             output_keys=[id(t) for t in outs]))
     return calls
 
@@ -89,7 +89,7 @@ def spec_for(shape, dtype):
     return keras.KerasTensor(tuple(shape), dtype)
 
 
-def offloadable_reason(unit, structure=None) -> str | None:
+def offloadable_reason(unit) -> str | None:
     return None
 
 
