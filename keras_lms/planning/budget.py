@@ -12,7 +12,7 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
-from keras_lms.planning.memory_model import _tensors, simulate
+from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import CallDecision, plan_entries
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
         reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
                   f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
         return [CallDecision(list(row), reason) for row in none]
-    sizes_in, _, _ = _tensors(calls, batch_size)
+    sizes_in, sizes_out, _ = tensor_sizes(calls, batch_size)
     n = len(calls)
     candidates = [i for i, d in enumerate(decisions) if d.offloaded]
     score = {i: sum(s for s, off in zip(sizes_in[i], decisions[i].offload_tensor) if off) * (n - i) for i in candidates}
@@ -87,7 +87,6 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
             break
         slab_bytes, memory = slab_bytes // 2, smaller
     if memory.budget_bytes > budget:
-        sizes_out = _tensors(calls, batch_size)[1]
         largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
         need = sum(sizes_in[largest]) + sum(sizes_out[largest])
         raise BudgetError(

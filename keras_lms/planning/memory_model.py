@@ -73,7 +73,8 @@ def _is_kernel(unit) -> bool:
     return layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS)
 
 
-def _tensors(calls, batch_size):
+def tensor_sizes(calls, batch_size: int):
+    """Per call: its input sizes, its output sizes and its outputs' keys (bytes at ``batch_size``)."""
     sizes_in, sizes_out, keys_out = [], [], []
     for i, call in enumerate(calls):
         sizes_in.append([tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)])
@@ -101,7 +102,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     positions = 2 * n
     if n == 0:
         return StepMemory(static_bytes, [], update_bytes)
-    sizes_in, sizes_out, keys_out = _tensors(calls, batch_size)
+    sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
     elided = facts.elided_concatenations(calls, slabs, batch_size)  # never built: its reader reads parts
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
