@@ -22,10 +22,8 @@
 set -euo pipefail
 
 HVD_VERSION="${HOROVOD_VERSION:-0.28.1}"
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Per user, not per checkout: a fresh clone on the same machine (CI clones main for every run) reuses the build.
 CACHE="${KERAS_LMS_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras-lms/wheels}"
-LOG_DIR="$REPO/.cache"
 
 say()  { printf '[install_horovod] %s\n' "$*"; }
 die()  { printf '[install_horovod] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -161,7 +159,10 @@ else
 fi
 export MAKEFLAGS="${MAKEFLAGS:--j$(nproc 2>/dev/null || echo 2)}"
 
-LOG="$LOG_DIR/horovod-build.log"
+# The build log lives beside the wheel it produces, in the directory this script has just created (a log under
+# the checkout once failed on every fresh clone because nothing created its directory: issue 25).
+LOG="$CACHE/horovod-$HVD_VERSION-build.log"
+: >"$LOG" 2>/dev/null || die "cannot write the build log $LOG (set KERAS_LMS_WHEEL_CACHE to a writable directory)"
 say "building horovod $HVD_VERSION wheel: TensorFlow $("$PY" -c 'import tensorflow as tf; print(tf.__version__)'), Gloo, MPI=$WANT_MPI, MAKEFLAGS=$MAKEFLAGS"
 say "this takes 3-8 min on 2 cores (150-210 s measured on the 2-core dev VM); full log: $LOG"
 start=$(date +%s)
