@@ -5,7 +5,7 @@ backward use; `keras_lms.report(model, batch_size)` predicts what that saves bef
 `keras_lms.horovod` trains data-parallel on many ranks. See README.md and docs/ for usage.
 
 The public names are those in `__all__`: the entry points (`wrap`, `unwrap`, `report`), the settings
-(`LMSConfig`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`), the callbacks
+(`LMSConfig`, `DeviceProfile`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`), the callbacks
 (`MemoryHighWaterMark`, `BackupAndRestore`) and the errors a user may catch (`BudgetError`, `HostMemoryError`,
 `BackupError`).
 """
@@ -37,6 +37,7 @@ from keras_lms.config import LMSConfig  # noqa: E402
 from keras_lms.memory import HostMemoryError  # noqa: E402
 from keras_lms.model import LMSModel  # noqa: E402
 from keras_lms.planning import BudgetError, PlanEntry  # noqa: E402
+from keras_lms.planning.device_profile import DeviceProfile  # noqa: E402
 from keras_lms.report import ActivationReport, report  # noqa: E402
 from keras_lms.wrapping import unwrap, wrap  # noqa: E402
 
@@ -51,6 +52,7 @@ __all__ = [
     "LMSModel",
     "PlanEntry",
     "ActivationReport",
+    "DeviceProfile",
     "MemoryHighWaterMark",
     "BackupAndRestore",
     # errors

@@ -1,4 +1,5 @@
-"""The `keras-lms` command: `keras-lms report MODEL.keras --batch-size N` and `keras-lms info`."""
+"""The `keras-lms` command: `keras-lms report MODEL.keras --batch-size N [--device h100-pcie5]`,
+`keras-lms calibrate --out profile.json` (a device profile measured on this GPU) and `keras-lms info`."""
 
 from __future__ import annotations
 
@@ -62,9 +63,14 @@ def _report(args) -> int:
     input_shape = _parse_input_shape(args.input_shape)
     if args.plot:
         _check_writable(args.plot, "--plot")
+    profile = args.device or args.profile
+    if profile is not None:
+        from keras_lms.planning.device_profile import load_profile
+
+        profile = load_profile(profile)  # refuse a bad profile before loading the model
     model = _load(args.model)
     rep = keras_lms.report(model, batch_size=args.batch_size, input_shape=input_shape,
-                           device_budget=args.budget, link_gbps=args.link_gbps)
+                           device_budget=args.budget, link_gbps=args.link_gbps, device_profile=profile)
     if args.json:
         print(rep.to_json())
     else:
@@ -85,6 +91,7 @@ def info_dict() -> dict:
     import psutil
 
     import keras_lms
+    from keras_lms.planning.device_profile import builtin_profiles
 
     out = {
         "keras_lms": keras_lms.__version__,
@@ -94,6 +101,7 @@ def info_dict() -> dict:
         "host_ram_total_gib": round(psutil.virtual_memory().total / 2**30, 2),
         "host_ram_available_gib": round(psutil.virtual_memory().available / 2**30, 2),
         "cpu_count": os.cpu_count(),
+        "device_profiles": builtin_profiles(),
     }
     try:
         import tensorflow as tf
@@ -113,6 +121,23 @@ def info_dict() -> dict:
         out["horovod"] = None
         out["horovod_error"] = str(err)
     return out
+
+
+def _calibrate(args) -> int:
+    from keras_lms.calibrate import measure_profile
+
+    _check_writable(args.out, "--out")
+    profile = measure_profile(args.device, smoke=args.smoke, name=args.name)
+    profile.save(args.out)
+    print(f"device profile {profile.name!r} written to {args.out}:")
+    print(f"  host->device {profile.host_to_device_bytes_per_second / 1e9:.1f} GB/s "
+          f"({profile.host_to_device_concurrent_bytes_per_second / 1e9:.1f} with both directions busy), "
+          f"device->host {profile.device_to_host_bytes_per_second / 1e9:.1f} GB/s "
+          f"({profile.device_to_host_concurrent_bytes_per_second / 1e9:.1f})")
+    print("  convolutions " + ", ".join(f"{d} {r / 1e12:.1f} TFLOP/s" for d, r in profile.flops_per_second.items())
+          + f"; element-wise {profile.elementwise_bytes_per_second / 1e9:.0f} GB/s")
+    print(f"use it with: keras-lms report MODEL.keras --batch-size N --profile {args.out}")
+    return 0
 
 
 def _info(args) -> int:
@@ -147,7 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", default=None, help="write the memory timeline PNG here")
     rep.add_argument("--json", action="store_true", help="print JSON instead of the table")
     rep.add_argument("--max-rows", type=int, default=None, help="show at most this many layer calls")
+    where = rep.add_mutually_exclusive_group()
+    where.add_argument("--device", default=None,
+                       help="predict step times on a built-in device profile (a100-pcie4, h100-pcie5, ...)")
+    where.add_argument("--profile", default=None, help="predict step times on a profile file (keras-lms calibrate)")
     rep.set_defaults(func=_report)
+    cal = sub.add_parser("calibrate", help="measure a device profile (host link, convolutions) on this GPU, with torch")
+    cal.add_argument("--out", required=True, help="the profile JSON file to write")
+    cal.add_argument("--device", default="cuda", help="the torch device to measure (default cuda)")
+    cal.add_argument("--name", default=None, help="the profile's name (default: the GPU's name)")
+    cal.add_argument("--smoke", action="store_true", help="tiny sizes on any device, the CPU included (a check of "
+                                                         "the measuring code; its numbers describe nothing)")
+    cal.set_defaults(func=_calibrate)
     info = sub.add_parser("info", help="versions, Horovod build flags, devices, host RAM")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=_info)

@@ -15,6 +15,8 @@ import keras
 
 from keras_lms import planning
 from keras_lms.config import LMSConfig, format_bytes, parse_bytes
+from keras_lms.planning.device_profile import load_profile
+from keras_lms.report_times import plan_times, row_decision, times_table
 
 
 @dataclasses.dataclass
@@ -39,6 +41,16 @@ class ActivationReport:
         plain: the simulated device-memory timeline of the plain step (`keras_lms.planning.StepMemory`).
         wrapped: the same with LMS.
         device_budget: the budget the plan was made for, or `None`.
+        times: with a `device_profile`, the predicted step time (`keras_lms.planning.StepTime`) of the plain
+            step (infinite memory), the plan (`"as planned"`) and the offload-only plan (every tensor the
+            per-call rules allow offloaded, no budget narrowing); empty without one.
+        device_profile: the `keras_lms.DeviceProfile` the times are predicted for, or `None`.
+
+    Rows also carry `decision` (`"keep"`, `"copy"`: its inputs' host copies come back for its backward, or
+    `"copy+recompute"`: they come back and its forward is recomputed from them) and the call's
+    `device_to_host_bytes` / `host_to_device_bytes` over the host link. Totals split the traffic into
+    `device_to_host_bytes_per_step` and `host_to_device_bytes_per_step` (a copy comes back once per backward
+    that reads it, slab windows with their halos).
 
     Example:
 
@@ -67,6 +79,8 @@ class ActivationReport:
     plain: planning.StepMemory
     wrapped: planning.StepMemory
     device_budget: int | None = None
+    times: dict = dataclasses.field(default_factory=dict)
+    device_profile: object = None
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON: `model`, `batch_size`, `link_gbps`, `totals`, `rows` and both timelines.
@@ -79,6 +93,8 @@ class ActivationReport:
         """
         return json.dumps({"model": self.model_name, "batch_size": self.batch_size, "link_gbps": self.link_gbps,
                            "totals": self.totals, "rows": self.rows,
+                           "times": {name: t.to_dict() for name, t in self.times.items()},
+                           "device_profile": self.device_profile.to_dict() if self.device_profile else None,
                            "timeline_plain": self.plain.timeline, "timeline_wrapped": self.wrapped.timeline},
                           indent=indent)
 
@@ -95,14 +111,17 @@ class ActivationReport:
         from rich.table import Table
 
         table = Table(title=f"keras-lms activation report: {self.model_name}, batch size {self.batch_size}")
-        for column in ("#", "layer", "class", "output shape", "output", "inputs", "decision"):
+        for column in ("#", "layer", "class", "output shape", "output", "inputs", "to host", "back", "decision",
+                       "why"):
             table.add_column(column, overflow="fold")
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
             table.add_row(str(r["index"]), r["layer"], r["class"], str(r["output_shape"]),
-                          format_bytes(r["output_bytes"]), format_bytes(r["input_bytes"]), r["reason"])
+                          format_bytes(r["output_bytes"]), format_bytes(r["input_bytes"]),
+                          format_bytes(r["device_to_host_bytes"]), format_bytes(r["host_to_device_bytes"]),
+                          r["decision"], r["reason"])
         if max_rows is not None and len(self.rows) > max_rows:
-            table.add_row("...", f"{len(self.rows) - max_rows} more calls", "", "", "", "", "")
+            table.add_row("...", f"{len(self.rows) - max_rows} more calls", "", "", "", "", "", "", "", "")
         t = self.totals
         summary = Table(title="per step, per rank", show_header=False)
         summary.add_column("what")
@@ -113,6 +132,8 @@ class ActivationReport:
                            ("predicted device peak, plain", "predicted_peak_bytes_plain"),
                            ("predicted device peak, with LMS", "predicted_peak_bytes_wrapped"),
                            ("host memory needed", "host_bytes_per_step"),
+                           ("copied to host", "device_to_host_bytes_per_step"),
+                           ("copied back to the device", "host_to_device_bytes_per_step"),
                            ("moved over the host link", "transfer_bytes_per_step")):
             summary.add_row(label, format_bytes(t[key]))
         summary.add_row(f"transfer time at {self.link_gbps:g} GB/s", f"{t['transfer_seconds_per_step'] * 1e3:.1f} ms")
@@ -125,6 +146,8 @@ class ActivationReport:
         console = Console(file=buffer, width=150, force_terminal=False, color_system=None)
         console.print(table)
         console.print(summary)
+        if self.times:
+            console.print(times_table(self.times, self.device_profile))
         return buffer.getvalue()
 
     def plot(self, path, title: str | None = None):
@@ -169,7 +192,7 @@ class ActivationReport:
 
 
 def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, device_budget=None,
-           link_gbps: float = 16.0, config: LMSConfig | None = None) -> ActivationReport:
+           link_gbps: float = 16.0, config: LMSConfig | None = None, device_profile=None) -> ActivationReport:
     """Predict a training step's device and host memory, with and without LMS, without running it.
 
     The model is traced once with symbolic inputs (no data, no training step). The same policy and budget
@@ -190,14 +213,18 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
             x16).
         config: the `keras_lms.LMSConfig` to report with. Defaults to the wrapped model's settings, or
             `LMSConfig()` (the defaults of `wrap`) for a plain model.
+        device_profile: a built-in device profile's name (`"h100-pcie5"`, `"h200-pcie5"`, `"gh200"`,
+            `"a100-pcie4"`), a profile JSON file (`keras-lms calibrate` writes one) or a
+            `keras_lms.DeviceProfile`: also predict the step's time on that device, plain, as planned and
+            offload-only (`.times`, and `predicted_*_seconds` in `.totals`). Defaults to `None` (bytes only).
 
     Returns:
         A `keras_lms.ActivationReport`: `.rows`, `.totals`, `.to_text()`, `.to_json()`, `.plot(path)`.
 
     Raises:
         TypeError: `model_or_wrapped` is not a `keras.Model`, or `config` is not an `LMSConfig`.
-        ValueError: `batch_size`, `input_shape` or `link_gbps` is not valid, or the model is not built or does
-            not record its input shape and no `input_shape` was given.
+        ValueError: `batch_size`, `input_shape`, `link_gbps` or `device_profile` is not valid, or the model is
+            not built or does not record its input shape and no `input_shape` was given.
         keras_lms.BudgetError: `device_budget` cannot be met even with full offload.
 
     Example:
@@ -229,6 +256,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
             f"link_gbps must be a positive number of GB/s (the host link's bandwidth, e.g. 16 for PCIe 4 x16); "
             f"got {link_gbps!r}."
         )
+    profile = None if device_profile is None else load_profile(device_profile)
     if config is not None and not isinstance(config, LMSConfig):
         raise TypeError(
             f"config must be a keras_lms.LMSConfig, e.g. config=keras_lms.LMSConfig(min_bytes='1MiB'); "
@@ -267,17 +295,23 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     step = planning.plan_step(backend, model, structure, config, specs, {}, batch_size, optimizer)
     plan, static = step.entries, step.static_bytes
     plain, with_lms = step.plain_memory(), step.wrapped_memory()
+    traffic = step.link_traffic()
     rows = [dict(index=e.index, layer=e.layer, **{"class": e.layer_class},
                  output_shape=list(map(list, e.output_shapes)),
                  output_bytes=e.output_bytes, input_bytes=e.bytes, offloaded=e.offloaded,
-                 offloaded_bytes=e.offloaded_bytes, reason=e.reason) for e in plan]
+                 offloaded_bytes=e.offloaded_bytes, decision=row_decision(step, e.index),
+                 device_to_host_bytes=traffic.out_bytes[e.index],
+                 host_to_device_bytes=traffic.forward_in_bytes[e.index] + traffic.backward_in_bytes[e.index],
+                 reason=e.reason) for e in plan]
     saved_plain, saved_wrapped = _saved_bytes(step)
     host = planning.host_bytes_per_step(plan)
-    transfer = host + sum(e.offloaded_bytes for e in plan)  # out once per tensor, in once per consumer
+    transfer = traffic.total_bytes  # each copy out once, each copy back as often as a backward reads it
     totals = dict(
         device_activation_bytes_plain=saved_plain,
         device_activation_bytes_wrapped=saved_wrapped,
         host_bytes_per_step=host,
+        device_to_host_bytes_per_step=traffic.device_to_host_bytes,
+        host_to_device_bytes_per_step=traffic.host_to_device_bytes,
         transfer_bytes_per_step=transfer,
         transfer_seconds_per_step=transfer / (link_gbps * 1e9),
         static_bytes=static,
@@ -288,7 +322,22 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         totals["device_budget"] = config.device_budget
         totals["budget_peak_bytes"] = with_lms.budget_bytes  # the peak with planning.BUDGET_MARGIN
         totals["fits_device_budget"] = with_lms.budget_bytes <= config.device_budget
-    return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget)
+    times = {}
+    if profile is not None:
+        times = plan_times(step, profile)
+        planned = times["as planned"]
+        totals.update(device_profile=profile.name,
+                      predicted_compute_seconds=planned.compute_seconds,
+                      predicted_recompute_seconds=planned.recompute_seconds,
+                      predicted_copy_out_seconds=planned.device_to_host_seconds,
+                      predicted_copy_in_seconds=planned.host_to_device_seconds,
+                      predicted_exposed_copy_seconds=planned.exposed_seconds,
+                      predicted_step_seconds=planned.step_seconds,
+                      predicted_step_seconds_plain=times["plain"].step_seconds,
+                      predicted_step_seconds_offload_only=times["offload-only"].step_seconds,
+                      recompute_flops=planned.recompute_flops)
+    return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget,
+                            times, profile)
 
 
 def _saved_bytes(step: planning.StepPlan):

@@ -147,3 +147,12 @@ class BackendFacts:
     def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
         """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``)."""
         raise NotImplementedError(f"{type(self).__name__} plans no slabs")
+
+    def slab_traffic(self, calls, index: int, slab, offloaded_row, batch_size: int):
+        """A slab-computed call's host-link transfers (``planning.traffic.SlabTraffic``): the host copies it
+        reads and the bytes its forward and backward bring back, halos and repeated passes included."""
+        raise NotImplementedError(f"{type(self).__name__} plans no slabs")
+
+    def slab_flop_factors(self, unit, slab) -> tuple:
+        """``(forward, backward)`` multipliers of a slab-computed kernel call's FLOPs (its halos' recompute)."""
+        return 1.0, 1.0

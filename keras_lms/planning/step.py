@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.config import LMSConfig
+from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
+from keras_lms.planning.step_time import StepTime, predict_step_time
+from keras_lms.planning.traffic import LinkTraffic, link_traffic
 
 
 @dataclasses.dataclass
@@ -43,14 +46,38 @@ class StepPlan:
         return simulate(self.calls, none, self.facts, self.batch_size, self.config.prefetch, self.static_bytes,
                         unwrapped=True, update_bytes=self.update_bytes)
 
-    def wrapped_memory(self) -> StepMemory:
-        """The predicted device memory of the step as planned (with the slab size the planner chose)."""
-        offloaded = [list(entry.tensor_offloaded) for entry in self.entries]
-        # the budget planner may have chosen smaller slabs than the config's (budget.fit_budget)
-        slab_bytes = min((e.slab_bytes for e in self.entries if e.offloaded), default=self.config.slab_bytes)
-        return simulate(self.calls, offloaded, self.facts, self.batch_size, self.config.prefetch,
-                        self.static_bytes, update_bytes=self.update_bytes,
-                        lean_normalization=self.config.lean_normalization, slab_bytes=slab_bytes)
+    @property
+    def offloaded(self) -> list:
+        """Per call, per input tensor: whether the plan sends it to host."""
+        return [list(entry.tensor_offloaded) for entry in self.entries]
+
+    @property
+    def slab_bytes(self) -> int:
+        """The slab size the step uses (the budget planner may have chosen smaller slabs than the config's)."""
+        return min((e.slab_bytes for e in self.entries if e.offloaded), default=self.config.slab_bytes)
+
+    def wrapped_memory(self, offloaded=None) -> StepMemory:
+        """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's)."""
+        return simulate(self.calls, self.offloaded if offloaded is None else offloaded, self.facts, self.batch_size,
+                        self.config.prefetch, self.static_bytes, update_bytes=self.update_bytes,
+                        lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes)
+
+    def offload_only(self) -> list:
+        """The offload-only plan: every tensor the per-call rules (min_bytes, keep_last, include/exclude) allow
+        goes to host, with no narrowing to ``device_budget`` (what keras-lms did before budgets)."""
+        return [list(d.offload_tensor) for d in rules.decide_all(self.calls, self.config, self.batch_size)]
+
+    def link_traffic(self, offloaded=None) -> LinkTraffic:
+        """The host-link transfers of the plan (or of ``offloaded``): ``traffic.link_traffic``."""
+        return link_traffic(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
+                            self.batch_size, self.slab_bytes)
+
+    def step_time(self, profile, offloaded=None) -> StepTime:
+        """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` (all
+        False: the plain step)."""
+        return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
+                                 profile, self.batch_size, self.config.prefetch, self.slab_bytes,
+                                 self.config.lean_normalization)
 
 
 def plan_step(backend, model, structure, config: LMSConfig, inputs, kwargs=None, batch_size: int = 1,

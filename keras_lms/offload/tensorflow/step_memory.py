@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_lms.offload.tensorflow import slab_costs
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.memory_model import variable_bytes
@@ -164,6 +165,13 @@ class TensorFlowFacts(BackendFacts):
 
     def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
         return slab_backward_bytes(call, input_sizes, output_sizes, slab)
+
+    def slab_traffic(self, calls, index: int, slab, offloaded_row, batch_size: int):
+        return slab_costs.slab_traffic(calls, index, slab, offloaded_row, concatenation_parts(calls, batch_size),
+                                       batch_size)
+
+    def slab_flop_factors(self, unit, slab) -> tuple:
+        return slab_costs.slab_flop_factors(unit, slab)
 
 
 FACTS = TensorFlowFacts()

@@ -1,0 +1,98 @@
+"""Host-link traffic of a wrapped step: ``keras_lms.report``'s prediction against the tensors that cross between
+the host and the compute device in the graph grappler optimises for a virtual GPU.
+
+    python benchmarks/link_traffic.py            # 2D/3D U-Nets, forced offload, whole and in slabs (~2 min)
+    python benchmarks/link_traffic.py --json out.json
+
+Each case is simulated plain and wrapped (``keras_lms/testing/simulated_gpu.py``: the step is traced, optimised
+by grappler's default pipeline for a virtual GPU + host and replayed by its virtual scheduler). The measured
+traffic is what the virtual GPU sends and receives in the wrapped step minus the plain step's (the plain step
+moves only its own feeds, if any). It is set beside the report's ``device_to_host_bytes_per_step`` and
+``host_to_device_bytes_per_step`` and beside the count the report gave before it modelled copies back per
+reading backward and slab halos (each tensor out once, in once per offloaded input: "old count").
+tests/offload/tensorflow/test_link_traffic.py runs it and asserts the report within 10% of the measurement,
+and the old count outside it where slabs are used (the test's negative control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from keras_lms.testing.logical_devices import HOST_STAND_IN, configure_logical_cpus
+
+configure_logical_cpus()
+
+import keras  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import keras_lms  # noqa: E402
+from benchmarks.simulated_gpu_peak import build, shapes, simulated_host_ram, unet  # noqa: E402
+from keras_lms.testing import simulated_gpu  # noqa: E402
+
+MIB = float(1 << 20)
+FORCED = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
+
+
+def cases() -> list:
+    """(label, model builder, batch, wrap settings). The slab cases cut every large call in 4-8 slabs."""
+    unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
+    unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
+    return [("3D U-Net 1x32^3 (2 levels, 4 filters), whole", unet3d, 1, FORCED),
+            ("3D U-Net 1x32^3, slabs of 64 KiB", unet3d, 1, {**FORCED, "slab_bytes": 64 << 10}),
+            ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED),
+            ("2D U-Net 2x64x64, slabs of 32 KiB", unet2d, 2, {**FORCED, "slab_bytes": 32 << 10})]
+
+
+def measure(label, builder, batch, settings) -> dict:
+    model = build(builder)
+    x_shape, y_shape = shapes(model, batch)
+    plain = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False)
+    wrapped = keras_lms.wrap(model, **settings)
+    sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
+    rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:])
+    old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
+    return dict(case=label,
+                measured_out=sim.gpu.sent_bytes - plain.gpu.sent_bytes,
+                measured_in=sim.gpu.received_bytes - plain.gpu.received_bytes,
+                report_out=rep.totals["device_to_host_bytes_per_step"],
+                report_in=rep.totals["host_to_device_bytes_per_step"],
+                old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows))
+
+
+def table(rows) -> Table:
+    t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
+    for column in ("case", "slab calls", "measured out", "report out", "measured in", "report in", "report error",
+                   "old count (in+out)", "old count error"):
+        t.add_column(column, justify="left" if column == "case" else "right")
+    for r in rows:
+        measured = r["measured_out"] + r["measured_in"]
+        error = (r["report_out"] + r["report_in"]) / measured - 1
+        t.add_row(r["case"], str(r["slabs"]), f"{r['measured_out'] / MIB:.2f}", f"{r['report_out'] / MIB:.2f}",
+                  f"{r['measured_in'] / MIB:.2f}", f"{r['report_in'] / MIB:.2f}", f"{error:+.1%}",
+                  f"{r['old_count'] / MIB:.2f}", f"{r['old_count'] / measured - 1:+.1%}")
+    return t
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    keras.mixed_precision.set_global_policy("float32")
+    with simulated_host_ram():
+        rows = [measure(*case) for case in cases()]
+    Console(width=200).print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""What a slab-computed call moves over the host link and recomputes, on TensorFlow (for the step-time model).
+
+The slab machinery (``slabs``, ``slab_calls``) cuts windows with halos: a slab's backward brings back input rows
+``[s0 - 2h, s1 + 2h)`` of every offloaded input, and a BatchNormalization's backward does so twice (its first pass
+sums the gradient reaching the batch statistics, its second differentiates each slab with those totals). The
+forward of a convolution over a channel concatenation reads the parts older than the newest (a U-Net skip) from
+their host copies, rows ``[s0 - h, s1 + h)``. Halos also cost FLOPs: each slab's forward convolves its
+``s1 - s0 + 2h`` rows, and its backward convolves the ``s1 - s0 + 4h`` rows of its window for the input and the
+weight gradient (zeros outside the slab's own rows still multiply).
+"""
+
+from __future__ import annotations
+
+from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
+from keras_lms.planning import layer_facts
+from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.traffic import SlabTraffic
+
+
+def _rows(plan, window) -> int:
+    return sum(b - a for a, b in (window(s0, s1) for s0, s1 in plan.bounds))
+
+
+def forward_row_factor(plan) -> float:
+    """Rows a slab forward computes, over the rows of the whole call (halos recomputed)."""
+    return _rows(plan, plan.forward_window) / plan.length
+
+
+def backward_row_factor(plan) -> float:
+    """Rows a slab backward brings back and differentiates, over the rows of the whole call."""
+    return _rows(plan, plan.backward_window) / plan.length
+
+
+def read_parts(calls, i, parts, batch_size: int):
+    """The tensors a slab call reads: a concatenation's parts (``parts``: step_memory.concatenation_parts),
+    else its own inputs; as ``(key, bytes, producer index)``."""
+    call = calls[i]
+    source = parts.get(call.keys[0]) if len(call.keys) == 1 else None
+    if source is not None and not layer_facts.is_keras_class(call.unit, {"BatchNormalization"}):
+        concat = calls[source[0]]
+        producers = _producers(calls)
+        return [(k, s, producers.get(k, -1)) for k, s in zip(concat.keys, source[2])], True
+    sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
+    return [(k, s, -1) for k, s in zip(call.keys, sizes)], False
+
+
+def _producers(calls) -> dict:
+    out = {}
+    for i, call in enumerate(calls):
+        for key in call.output_keys:
+            out[key] = i
+    return out
+
+
+def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabTraffic:
+    """The host copies slab call ``i`` reads and the bytes its forward and backward bring back."""
+    unit = calls[i].unit
+    if layer_facts.standalone_activation(unit) is not None and not getattr(unit, "trainable_variables", None):
+        return SlabTraffic((), 0, 0)  # its backward reads windows of its output's copy (counted by the caller)
+    tensors, concatenated = read_parts(calls, i, parts, batch_size)
+    offload = list(offloaded_row) * len(tensors) if concatenated else list(offloaded_row)
+    copied = tuple((k, s) for (k, s, _), off in zip(tensors, offload) if off)
+    passes = 2 if plan.moments else 1
+    backward = sum(s for _, s in copied) * backward_row_factor(plan) * passes
+    forward = 0.0
+    if concatenated:
+        newest = max(p for _, _, p in tensors)
+        older = sum(s for (_, s, p), off in zip(tensors, offload) if off and p != newest)
+        forward = older * forward_row_factor(plan)
+    return SlabTraffic(copied, int(forward), int(backward))
+
+
+def slab_flop_factors(unit, plan) -> tuple:
+    """(forward, backward) multipliers of a slab-computed kernel call's FLOPs (halos recomputed)."""
+    forward = forward_row_factor(plan) if computes_in_slabs_forward(unit) else 1.0
+    return forward, backward_row_factor(plan)

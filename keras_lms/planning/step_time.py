@@ -1,0 +1,196 @@
+"""How long a planned step takes on a device: compute, recompute and host-link copies, overlapped as they run.
+
+The compute stream runs the forward calls, then their backward in reverse, each at the roofline of the device
+profile (kernel FLOPs at the dtype's rate, memory-bound bytes at HBM bandwidth), plus what the plan makes it
+recompute (``BackendFacts.recomputes_offloaded_output`` and the halos of slab-computed calls). The host link has
+one copy engine per direction, each working through its copies in the order they are issued, at the profile's
+solo rate, or at its concurrent rate while the other direction is busy too:
+
+- a copy out is issued when its forward call starts, and nothing waits for it (the device copy is freed later);
+- a copy back is issued when its trigger's backward starts (``prefetch`` calls later in forward order, as the
+  back ends schedule it) and the backward that reads it waits until it has arrived; a slab-computed call's
+  windows arrive piece by piece, and each piece of its compute waits only for its own window.
+
+What the compute stream spends waiting is the *exposed* copy time; the step is compute + recompute + exposed.
+This is a model, not a measurement: no kernel launch overheads, no allocator stalls, the copy engines never
+slowed by the compute's own HBM traffic. ``benchmarks/gpu_bench.py`` sets it beside measured steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from keras_lms.planning import layer_facts
+from keras_lms.planning.call_costs import call_cost
+from keras_lms.planning.traffic import link_traffic
+
+
+@dataclasses.dataclass
+class StepTime:
+    """Predicted time of one training step (seconds) and the work behind it.
+
+    Attributes:
+        compute_seconds: the plain step's forward and backward (no recompute, no copies).
+        recompute_seconds: what the plan adds to the compute stream (recomputed calls, slab halos).
+        device_to_host_seconds / host_to_device_seconds: the copy engines' busy time.
+        exposed_seconds: time the compute stream waits for copies back.
+        step_seconds: compute + recompute + exposed.
+        flops: kernel FLOPs the plain step runs; recompute_flops: the plan's extra kernel FLOPs.
+        device_to_host_bytes / host_to_device_bytes: the plan's host-link traffic (``traffic.link_traffic``).
+    """
+
+    compute_seconds: float
+    recompute_seconds: float
+    device_to_host_seconds: float
+    host_to_device_seconds: float
+    exposed_seconds: float
+    step_seconds: float
+    flops: float
+    recompute_flops: float
+    device_to_host_bytes: int
+    host_to_device_bytes: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Link:
+    """Two copy engines (host -> device, device -> host), FIFO each, with rates that drop when both are busy."""
+
+    def __init__(self, profile):
+        self.rate = {("in", False): profile.host_to_device_bytes_per_second,
+                     ("in", True): profile.host_to_device_concurrent_bytes_per_second,
+                     ("out", False): profile.device_to_host_bytes_per_second,
+                     ("out", True): profile.device_to_host_concurrent_bytes_per_second}
+        self.queues = {"in": collections.deque(), "out": collections.deque()}
+        self.busy = {"in": 0.0, "out": 0.0}
+        self.done = {}
+        self.now = 0.0
+
+    def issue(self, direction: str, nbytes: float, ident) -> None:
+        if nbytes <= 0:
+            self.done[ident] = self.now
+            return
+        self.queues[direction].append([float(nbytes), ident])
+
+    def _step(self, until: float) -> bool:
+        """Advance to the next completion or to ``until``; False when both engines are idle."""
+        active = [d for d, q in self.queues.items() if q]
+        if not active:
+            self.now = max(self.now, until)
+            return False
+        both = len(active) == 2
+        rates = {d: self.rate[(d, both)] for d in active}
+        dt = min(self.queues[d][0][0] / rates[d] for d in active)
+        dt = min(dt, until - self.now)
+        for d in active:
+            head = self.queues[d][0]
+            head[0] -= rates[d] * dt
+            self.busy[d] += dt
+            if head[0] <= 1.0:  # within a byte: done (float rounding)
+                self.queues[d].popleft()
+                self.done[head[1]] = self.now + dt
+        self.now += dt
+        return True
+
+    def advance_to(self, t: float) -> None:
+        while self.now < t and self._step(t):
+            pass
+
+    def completion(self, ident) -> float:
+        while ident not in self.done:
+            if not self._step(math.inf):
+                raise RuntimeError(f"copy {ident!r} was never issued")  # a bug in the caller's schedule
+        return self.done[ident]
+
+
+def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> float:
+    if backward:
+        return (cost.backward_flops * flops_factor / profile.flops_rate(cost.dtype)
+                + cost.backward_bytes / profile.elementwise_bytes_per_second)
+    return (cost.forward_flops * flops_factor / profile.flops_rate(cost.dtype)
+            + cost.forward_bytes / profile.elementwise_bytes_per_second)
+
+
+def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
+                      slab_bytes: int = 0, lean_normalization: bool = True) -> StepTime:
+    """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host) on ``profile``
+    (a ``DeviceProfile``); with no input offloaded it is the plain step. See the module docstring."""
+    n = len(calls)
+    costs = [call_cost(call, batch_size) for call in calls]
+    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
+    elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
+    link = _Link(profile)
+    plain = recompute = flops = extra_flops = 0.0
+    pending = {}  # call index -> its backward's copy-back pieces, once issued
+
+    def issue_backward(i):
+        k = traffic.backward_pieces[i]
+        pending[i] = [("bwd", i, j) for j in range(k)]
+        for ident in pending[i]:
+            link.issue("in", traffic.backward_in_bytes[i] / k, ident)
+
+    triggered = {}
+    for c in range(n):
+        triggered.setdefault(c if prefetch <= 0 else min(c + prefetch, n - 1), []).append(c)
+    t = 0.0
+    for i in range(n):  # forward
+        link.advance_to(t)
+        link.issue("out", traffic.out_bytes[i], ("out", i))
+        cost = costs[i]
+        factor = facts.slab_flop_factors(calls[i].unit, slabs[i])[0] if i in slabs else 1.0
+        base = 0.0 if i in elided else _compute_seconds(cost, profile, 1.0, backward=False)
+        run = 0.0 if i in elided else _compute_seconds(cost, profile, factor, backward=False)
+        plain, recompute = plain + base, recompute + run - base
+        flops += cost.forward_flops
+        extra_flops += cost.forward_flops * (factor - 1) if i not in elided else 0.0
+        k = traffic.backward_pieces[i] if traffic.forward_in_bytes[i] else 1
+        for j in range(k):
+            link.issue("in", traffic.forward_in_bytes[i] / k, ("fwd", i, j))
+        for j in range(k):
+            t = max(t, link.completion(("fwd", i, j)))
+            link.advance_to(t)
+            t += run / k
+    for i in range(n - 1, -1, -1):  # backward
+        link.advance_to(t)
+        for c in triggered.get(i, ()):  # copies back that this backward's start triggers (prefetch)
+            if c not in pending:
+                issue_backward(c)
+        cost, unit = costs[i], calls[i].unit
+        factor = facts.slab_flop_factors(unit, slabs[i])[1] if i in slabs else 1.0
+        base = 0.0 if i in elided else _compute_seconds(cost, profile, 1.0, backward=True)
+        run = 0.0 if i in elided else _compute_seconds(cost, profile, factor, backward=True)
+        flops += cost.backward_flops
+        extra = cost.backward_flops * (factor - 1) if i not in elided else 0.0
+        if any(offloaded[i]) and i not in elided:
+            redo = _recompute_seconds(cost, calls[i], facts, profile, lean_normalization)
+            run += redo
+            extra += cost.forward_flops if redo and cost.forward_flops else 0.0
+        plain, recompute, extra_flops = plain + base, recompute + run - base, extra_flops + extra
+        pieces = pending[i]
+        for ident in pieces:
+            t = max(t, link.completion(ident))
+            link.advance_to(t)
+            t += run / len(pieces)
+    link.advance_to(math.inf)
+    exposed = max(0.0, t - plain - recompute)
+    return StepTime(plain, recompute, link.busy["out"], link.busy["in"], exposed, t, flops, extra_flops,
+                    traffic.device_to_host_bytes, traffic.host_to_device_bytes)
+
+
+def _recompute_seconds(cost, call, facts, profile, lean_normalization: bool) -> float:
+    """Compute an offloaded call's backward adds: its forward again where the back end recomputes it."""
+    unit = call.unit
+    if facts.keeps_no_activation(unit) or facts.output_gradient_activation(unit) is not None:
+        return 0.0  # structural, or differentiated from its output: nothing to recompute
+    if layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS):
+        lean = facts.lean_convolution_call(unit)
+        if lean or not facts.recomputes_offloaded_output(unit):
+            return 0.0  # pruned (TensorFlow: the gradient reads no output) or a lean convolution (torch)
+        return cost.forward_flops / profile.flops_rate(cost.dtype)
+    if lean_normalization and facts.lean_normalization_call(unit, call.dtypes):
+        return 0.0
+    return cost.forward_bytes / profile.elementwise_bytes_per_second

@@ -1,0 +1,119 @@
+"""What a plan moves over the host link: per layer call, the bytes copied out in its forward and back in for its
+forward and its backward.
+
+The same walk as the memory model (``memory_model.simulate``), counting transfers instead of residency:
+
+- **out**: a tensor is copied to host once per step, in the forward of its first offloading consumer, when some
+  backward reads that copy (a consumer's backward reads its inputs, or the producer's gradient reads its own
+  output from it: ``BackendFacts.reads_output_host_copy``). Host copies nobody reads are pruned by TensorFlow
+  and never made on torch.
+- **in**: every consumer whose backward reads an offloaded input brings it back itself (once per reading
+  call, not once per tensor: a U-Net skip read by a convolution and by a concatenation's reader comes back for
+  each). A call whose gradient reads its own output reuses its first reader's copy back when that reader brought
+  the whole tensor back, and brings it back itself otherwise.
+- **slab-computed calls** bring back windows, with halos, once per pass (``BackendFacts.slab_traffic``): on
+  TensorFlow a convolution's backward windows overlap by twice its halo and a BatchNormalization's backward
+  reads every window twice, which is why copies back exceed copies out (about 2x on the 3D U-Net).
+
+``keras_lms.report`` shows these totals; tests/offload/tensorflow/test_link_traffic.py checks them against the
+tensors that cross between host and device in the graph grappler optimises for a virtual GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_lms.planning.memory_model import tensor_sizes
+
+
+@dataclasses.dataclass
+class LinkTraffic:
+    """Host-link bytes of one step, per call position (forward order).
+
+    Attributes:
+        out_bytes: device -> host bytes issued in call i's forward.
+        forward_in_bytes: host -> device bytes call i's forward reads (slab windows of a skip's host copy).
+        backward_in_bytes: host -> device bytes call i's backward reads.
+        backward_pieces: how many pieces call i's backward reads them in (its slab count; 1 when whole).
+    """
+
+    out_bytes: list
+    forward_in_bytes: list
+    backward_in_bytes: list
+    backward_pieces: list
+
+    @property
+    def device_to_host_bytes(self) -> int:
+        return int(sum(self.out_bytes))
+
+    @property
+    def host_to_device_bytes(self) -> int:
+        return int(sum(self.forward_in_bytes) + sum(self.backward_in_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_to_host_bytes + self.host_to_device_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabTraffic:
+    """A slab-computed call's transfers: the host copies it reads (``(key, bytes)``, copied out once per step
+    by whoever offloads them first) and the bytes its forward and backward bring back."""
+
+    copied: tuple
+    forward_in_bytes: int
+    backward_in_bytes: int
+
+
+def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0) -> LinkTraffic:
+    """The host-link transfers of a plan (``offloaded[i][j]``: input j of call i goes to host); see the module
+    docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size."""
+    n = len(calls)
+    sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
+    elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
+    out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
+    pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
+    first_offload = {}  # key -> the first call (forward order) that offloads it
+    whole_reader = {}  # key -> the first call whose backward brings the whole tensor back
+    read = set()  # keys some backward reads from host
+    sizes = {}
+    for i, call in enumerate(calls):
+        reads_inputs = facts.backward_reads(call.unit)[0]
+        if i in elided:
+            continue  # a concatenation nobody builds: its reader offloads its parts
+        if i in slabs:
+            slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
+            for key, size in slab.copied:
+                first_offload.setdefault(key, i)
+                sizes[key] = size
+                read.add(key)
+            fwd_in[i] += slab.forward_in_bytes
+            bwd_in[i] += slab.backward_in_bytes
+            continue
+        for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
+            if not off:
+                continue
+            first_offload.setdefault(key, i)
+            sizes[key] = size
+            if reads_inputs:
+                read.add(key)
+                bwd_in[i] += size
+                whole_reader.setdefault(key, i)
+    for i, call in enumerate(calls):
+        if i in elided or not facts.reads_output_host_copy(call.unit) or not facts.backward_reads(call.unit)[1]:
+            continue
+        for key, size in zip(keys_out[i], sizes_out[i]):
+            if key not in first_offload:
+                continue  # no consumer offloaded it: the output stays on the device for this backward
+            if i in slabs and facts.output_gradient_activation(call.unit) is None:
+                continue  # a slab-computed kernel call recomputes its activation on its input windows
+            read.add(key)
+            sizes.setdefault(key, size)
+            if i in slabs or key not in whole_reader:
+                # brings the output back itself (a slab-computed activation: windows of the output's copy,
+                # which partition it, as an activation's halo is 0)
+                bwd_in[i] += size
+    for key in read:
+        out[first_offload[key]] += sizes[key]
+    return LinkTraffic(out, fwd_in, bwd_in, pieces)

@@ -1,0 +1,61 @@
+"""The time side of the activation report: predicted step times per plan on a device profile, and each call's
+decision in words (``keras_lms.report`` with ``device_profile=``)."""
+
+from __future__ import annotations
+
+from keras_lms.planning import layer_facts
+
+
+def plan_times(step, profile) -> dict:
+    """Predicted ``StepTime`` of the plain step, the plan and the offload-only plan on ``profile``.
+
+    The plain step has infinite memory (nothing copied, nothing recomputed): the reference every plan's time is
+    set against. Recompute-only (checkpointing without the host link) is not listed: keras-lms' mechanism
+    recomputes each offloaded call from its inputs' host copies, so no plan of it runs without the link.
+    """
+    none = [[False] * len(row) for row in step.offloaded]
+    return {"plain": step.step_time(profile, none), "as planned": step.step_time(profile),
+            "offload-only": step.step_time(profile, step.offload_only())}
+
+
+def row_decision(step, index: int) -> str:
+    """``keep``, ``copy`` (its inputs' host copies come back for its backward) or ``copy+recompute`` (and its
+    forward is recomputed from them)."""
+    entry, call = step.entries[index], step.calls[index]
+    if not entry.offloaded:
+        return "keep"
+    facts, unit = step.facts, call.unit
+    if facts.keeps_no_activation(unit) or facts.output_gradient_activation(unit) is not None:
+        return "copy"  # its backward reads no input values, or only its output's copy
+    if layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS):
+        recomputed = facts.recomputes_offloaded_output(unit) and not facts.lean_convolution_call(unit)
+        return "copy+recompute" if recomputed else "copy"
+    lean = step.config.lean_normalization and facts.lean_normalization_call(unit, call.dtypes)
+    return "copy" if lean else "copy+recompute"
+
+
+def times_table(times: dict, profile):
+    """A rich table of the predicted times (ms) per plan, set beside the plain step's."""
+    from rich.table import Table
+
+    table = Table(title=f"predicted step time (ms) on {profile.name} ({profile.description})")
+    for column in ("plan", "compute", "recompute", "copies out", "copies back", "exposed copies", "step",
+                   "x plain", "to host", "back"):
+        table.add_column(column, justify="left" if column == "plan" else "right")
+    plain = times["plain"].step_seconds
+    for name, t in times.items():
+        table.add_row(name, _ms(t.compute_seconds), _ms(t.recompute_seconds), _ms(t.device_to_host_seconds),
+                      _ms(t.host_to_device_seconds), _ms(t.exposed_seconds), _ms(t.step_seconds),
+                      f"{t.step_seconds / plain:.2f}" if plain else "-",
+                      _gib(t.device_to_host_bytes), _gib(t.host_to_device_bytes))
+    return table
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def _gib(nbytes) -> str:
+    from keras_lms.config import format_bytes
+
+    return format_bytes(nbytes)
