@@ -71,6 +71,8 @@ def saved_model(tmp_path_factory):
 
 @pytest.mark.parametrize("extra,pattern", [
     (["--link-gbps", "0"], "--link-gbps must be a positive"),
+    (["--device", "h100-pcie9"], "'h100-pcie9' is neither a built-in profile.*h100-pcie5"),
+    (["--profile", "/nonexistent/p.json"], "neither a built-in profile .* nor a profile file"),
     (["--input-shape", "a,b"], "--input-shape 'a,b' is not a shape.*128,128,128,1"),
     (["--plot", "/nonexistent/dir/r.png"], "--plot '/nonexistent/dir/r.png' cannot be written"),
 ])
@@ -92,3 +94,28 @@ def test_cli_corrupt_keras_file(tmp_path, saved_model, capsys):
     assert cli.main(["report", str(corrupt), "--batch-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "not a readable .keras file (damaged" in err and "File not found" not in err
+
+
+def test_cli_report_on_a_device_profile(saved_model, capsys):
+    from keras_lms import cli
+
+    assert cli.main(["report", str(saved_model), "--batch-size", "2", "--device", "gh200"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time (ms) on gh200" in out and "offload-only" in out
+
+
+def test_cli_calibrate_smoke_writes_a_profile_report_reads(tmp_path, saved_model, capsys):
+    pytest.importorskip("torch")
+    from keras_lms import cli
+    from keras_lms.planning.device_profile import load_profile
+
+    path = tmp_path / "cpu.json"
+    assert cli.main(["calibrate", "--smoke", "--device", "cpu", "--out", str(path)]) == 0
+    measured = load_profile(str(path))
+    assert measured.name == "smoke-cpu" and measured.host_to_device_bytes_per_second > 0
+    assert "measured by keras-lms calibrate" in measured.sources["flops_per_second"]
+    assert cli.main(["report", str(saved_model), "--batch-size", "2", "--profile", str(path)]) == 0
+    assert "predicted step time (ms) on smoke-cpu" in capsys.readouterr().out
+    # without --smoke a CPU is refused: calibrate measures a GPU
+    assert cli.main(["calibrate", "--device", "cpu", "--out", str(path)]) == 2
+    assert "is not one" in capsys.readouterr().err

@@ -130,3 +130,38 @@ def test_uncalled_sequential_with_input_is_reported_and_planned():
     assert rep.rows and rep.totals["predicted_peak_bytes_plain"] > 0
     wrapped = keras_lms.wrap(model, min_bytes=0, device_budget="1GiB")
     assert wrapped.lms_plan
+
+
+def test_report_predicts_step_times_on_a_device_profile():
+    model = models.unet2d()
+    rep = keras_lms.report(model, batch_size=4, config=keras_lms.LMSConfig(min_bytes=0, keep_last=0),
+                           device_profile="h100-pcie5")
+    t = rep.totals
+    assert t["device_profile"] == "h100-pcie5"
+    assert set(rep.times) == {"plain", "as planned", "offload-only"}
+    plain, planned = rep.times["plain"], rep.times["as planned"]
+    assert plain.exposed_seconds == 0 and plain.device_to_host_bytes == 0 and plain.host_to_device_bytes == 0
+    assert t["predicted_step_seconds"] == planned.step_seconds >= plain.step_seconds
+    assert plain.step_seconds == t["predicted_step_seconds_plain"]
+    assert planned.step_seconds == pytest.approx(planned.compute_seconds + planned.recompute_seconds
+                                                 + planned.exposed_seconds)
+    # the traffic the times use is the report's
+    assert planned.device_to_host_bytes == t["device_to_host_bytes_per_step"]
+    assert planned.host_to_device_bytes == t["host_to_device_bytes_per_step"]
+    assert sum(r["device_to_host_bytes"] + r["host_to_device_bytes"] for r in rep.rows) == t["transfer_bytes_per_step"]
+    assert {r["decision"] for r in rep.rows} <= {"keep", "copy", "copy+recompute"}
+    assert "predicted step time (ms) on h100-pcie5" in rep.to_text()
+    data = json.loads(rep.to_json())
+    assert data["times"]["as planned"]["step_seconds"] == planned.step_seconds
+    assert data["device_profile"]["name"] == "h100-pcie5"
+    # a faster link can only shorten the step; GH200's link hides far more of it
+    gh200 = keras_lms.report(model, batch_size=4, config=keras_lms.LMSConfig(min_bytes=0, keep_last=0),
+                             device_profile="gh200")
+    assert gh200.times["as planned"].exposed_seconds < planned.exposed_seconds
+    without = keras_lms.report(model, batch_size=4)
+    assert without.times == {} and "predicted_step_seconds" not in without.totals
+
+
+def test_report_refuses_a_bad_device_profile():
+    with pytest.raises(ValueError, match="neither a built-in profile"):
+        keras_lms.report(dense_chain(), batch_size=2, device_profile="tpu-v9")

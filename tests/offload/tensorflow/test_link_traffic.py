@@ -1,0 +1,42 @@
+"""The report's host-link bytes against the tensors that cross between host and compute device in the graph
+grappler optimises for a virtual GPU (``benchmarks/link_traffic.py``, in a fresh process: it splits the CPU
+into two logical devices before TensorFlow starts)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.tensorflow(reason="grappler's virtual cluster simulates the TensorFlow graph")
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("link_traffic") / "rows.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link_traffic.py"), "--json", str(path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(path.read_text())
+
+
+def test_report_traffic_is_within_ten_percent_of_the_executed_graph(rows):
+    for r in rows:
+        assert r["measured_out"] > 0 and r["measured_in"] > 0, r  # the offload survived grappler
+        assert r["report_out"] == pytest.approx(r["measured_out"], rel=0.10), r
+        assert r["report_in"] == pytest.approx(r["measured_in"], rel=0.10), r
+
+
+def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows):
+    # Negative control: the count the report gave before (each tensor out once, in once per offloaded input)
+    # is exact without slabs and more than 10% low with them (halos, BatchNorm's two backward passes).
+    for r in rows:
+        measured = r["measured_out"] + r["measured_in"]
+        if r["slabs"]:
+            assert r["measured_in"] > 1.5 * r["measured_out"], r
+            assert r["old_count"] < 0.9 * measured, r
+        else:
+            assert r["old_count"] == pytest.approx(measured, rel=0.01), r
