@@ -140,12 +140,18 @@ class LMSConfig:
             concatenated tensors without building the concatenation. Bytes or a size string; `0` turns slabs
             off. The input gradient is exact; weight gradients and batch statistics are sums over slabs (equal
             up to summation order; docs/design.md, "Slabs"). Defaults to `256 << 20` (256 MiB).
+        device_profile: `None`, a built-in device profile's name (`"h100-pcie5"`, `"h200-pcie5"`, `"gh200"`,
+            `"a100-pcie4"`), a profile JSON file (`keras-lms calibrate` writes one) or a
+            `keras_lms.DeviceProfile`. With `device_budget`, the planner then picks, among the slab sizes that
+            fit the budget, the one with the shortest predicted step on that device (larger slabs recompute
+            fewer halos and bring fewer windows back) instead of the largest of `slab_bytes` and its halvings
+            that fits. Stored as the loaded profile. Defaults to `None`.
 
     Raises:
         TypeError: a setting has the wrong type (e.g. `keep_last=1.5`, a layer object instead of its name in
             `include`, `host_device=None`).
         ValueError: a setting has an impossible value (e.g. `min_bytes=-1`, `"6 parsecs"`, `include=[]`,
-            `device_budget=0`, an empty `host_device`).
+            `device_budget=0`, an empty `host_device`, an unknown `device_profile`).
 
     Example:
 
@@ -175,6 +181,7 @@ class LMSConfig:
     device_budget: int | None = None
     lean_normalization: bool = True
     slab_bytes: int = 256 << 20
+    device_profile: Any = None
 
     def __post_init__(self):
         def set_(key, value):  # the dataclass is frozen: normalised values are written once, here
@@ -196,6 +203,12 @@ class LMSConfig:
             set_("device_budget", parse_bytes(self.device_budget, "device_budget"))
             if self.device_budget == 0:
                 raise ValueError("device_budget must be > 0 bytes; use None to disable the planner.")
+        if self.device_profile is not None:
+            from keras_lms.planning.device_profile import load_profile, profile_from_dict
+
+            profile = self.device_profile
+            set_("device_profile", profile_from_dict(profile, "device_profile") if isinstance(profile, dict)
+                 else load_profile(profile))
 
     def to_dict(self) -> dict:
         """The settings as a JSON-friendly dict (what `LMSModel.get_config()` saves).

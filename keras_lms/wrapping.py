@@ -16,7 +16,7 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(LMSConfig
 def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_last"], include=_DEFAULTS["include"],
          exclude=_DEFAULTS["exclude"], host_device=_DEFAULTS["host_device"], prefetch=_DEFAULTS["prefetch"],
          device_budget=_DEFAULTS["device_budget"], lean_normalization=_DEFAULTS["lean_normalization"],
-         slab_bytes=_DEFAULTS["slab_bytes"], config=None) -> LMSModel:
+         slab_bytes=_DEFAULTS["slab_bytes"], device_profile=_DEFAULTS["device_profile"], config=None) -> LMSModel:
     """Wrap `model` so that training keeps its large activations in host memory.
 
     During a training step every offloaded layer call copies its inputs to `host_device` in the forward pass;
@@ -48,6 +48,10 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
             element-wise activations) whose input is larger than this run in slabs along the first spatial axis,
             forward and backward, so only slab-sized temporaries exist on the device (see `LMSConfig`). `0`
             turns slabs off. Defaults to `256 << 20` (256 MiB).
+        device_profile: `None`, a built-in device profile's name (`"h100-pcie5"`, `"gh200"`, ...), a profile
+            file from `keras-lms calibrate` or a `keras_lms.DeviceProfile`: with `device_budget`, the planner
+            picks the slab size with the shortest predicted step on that device among those that fit (see
+            `LMSConfig`). Defaults to `None`.
         config: a `keras_lms.LMSConfig` to use instead of the keyword settings above (pass one or the other).
 
     Returns:
@@ -84,7 +88,7 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
     # The model itself is checked by LMSModel's constructor (also for `LMSModel(model, config)` and loading).
     given = dict(min_bytes=min_bytes, keep_last=keep_last, include=include, exclude=exclude,
                  host_device=host_device, prefetch=prefetch, device_budget=device_budget,
-                 lean_normalization=lean_normalization, slab_bytes=slab_bytes)
+                 lean_normalization=lean_normalization, slab_bytes=slab_bytes, device_profile=device_profile)
     if config is not None:
         changed = sorted(k for k, v in given.items() if v != _DEFAULTS[k])
         if changed:

@@ -3,7 +3,10 @@
 Choice: largest and longest-lived tensors first (bytes x distance to their backward use), the last layers
 stay resident (``keep_last``), until the predicted peak (with ``BUDGET_MARGIN``) fits; nothing is offloaded when
 the step fits anyway; when even full offload cannot fit, smaller slabs are tried where the back end computes
-calls in slabs, and then the error names the largest single layer call.
+calls in slabs, and then the error names the largest single layer call. With a device profile
+(``LMSConfig.device_profile``) the slab size is then chosen for time: among the sizes that fit (the configured
+one, its halvings and doublings), the one whose predicted step (``step_time``) is shortest, since larger slabs
+recompute fewer halos and bring fewer window rows back.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import CallDecision, plan_entries
+from keras_lms.planning.step_time import predict_step_time
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,41 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
 
 # The smallest slab the budget planner tries when the configured slab size does not fit device_budget.
 MIN_SLAB_BYTES = 16 << 20
+# With a device profile, the planner also tries slabs up to this many doublings above the configured size.
+SLAB_DOUBLINGS = 4
+
+
+def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                         slab_bytes: int, memory):
+    """(slab size, StepMemory) with the shortest predicted step on ``config.device_profile`` among the slab
+    sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled SLAB_DOUBLINGS times) whose prediction fits
+    ``config.device_budget`` with the offload decisions ``chosen``. ``slab_bytes`` (with ``memory``) fits."""
+    if not slab_bytes:
+        return slab_bytes, memory
+    sizes = {slab_bytes << k for k in range(1, SLAB_DOUBLINGS + 1)}
+    size = slab_bytes // 2
+    while size >= MIN_SLAB_BYTES:
+        sizes.add(size)
+        size //= 2
+
+    def seconds(size):
+        return predict_step_time(calls, chosen, facts, config.device_profile, batch_size, config.prefetch, size,
+                                 config.lean_normalization).step_seconds
+
+    best, best_memory, best_seconds = slab_bytes, memory, seconds(slab_bytes)
+    for size in sorted(sizes):
+        candidate = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes,
+                             update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                             slab_bytes=size)
+        if candidate.budget_bytes > config.device_budget:
+            continue
+        t = seconds(size)
+        if t < best_seconds:
+            best, best_memory, best_seconds = size, candidate, t
+    if best != slab_bytes:
+        log.info("keras-lms: slabs of %s (predicted step %.3f s on %s) instead of %s.", format_bytes(best),
+                 best_seconds, config.device_profile.name, format_bytes(slab_bytes))
+    return best, best_memory
 
 
 def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0):
@@ -86,6 +125,9 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
         if smaller.budget_bytes >= memory.budget_bytes:
             break
         slab_bytes, memory = slab_bytes // 2, smaller
+    if memory.budget_bytes <= budget and config.device_profile is not None:
+        slab_bytes, memory = fastest_fitting_slab(calls, chosen, config, facts, batch_size, static_bytes,
+                                                  update_bytes, slab_bytes, memory)
     if memory.budget_bytes > budget:
         largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
         need = sum(sizes_in[largest]) + sum(sizes_out[largest])
