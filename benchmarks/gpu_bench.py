@@ -8,6 +8,9 @@ Run it from the repository root (on a GPU machine: the repository carried there)
 ``results.md`` under ``--out``, rewritten after every measurement, so an interrupted run still leaves what it
 measured (``"complete": false``). Sections:
 
+0. profile: ``keras-lms calibrate``'s measurement of this GPU (``keras_lms.calibrate.measure_profile``: copies
+   alone and concurrent, element-wise bandwidth, Conv3D/Conv2D rates), written as ``profile.json`` too; the
+   step-time predictions below use it.
 1. bandwidth: pinned host->device, device->host (on a side stream, as keras-lms copies) and device->device
    copy bandwidth, GB/s (1e9 bytes).
 2. largest edge: the 3D U-Net of ``examples/unet.py`` (its twin in ``benchmarks/models.py``) at cube edges
@@ -18,7 +21,8 @@ measured (``"complete": false``). Sections:
 3. step time at two edges that fit both ways (~80% and ~50% of the plain model's largest volume): median
    step time plain and wrapped (steps alternate, same weights), peak
    device memory (``torch.cuda.max_memory_allocated``), offloaded bytes per step (the plan) and the bytes
-   actually copied, and the lower bound ``max(plain step, offloaded/BW_d2h + offloaded/BW_h2d)`` (each
+   actually copied (beside the report's predicted bytes and step times on the calibrated profile), and the
+   lower bound ``max(plain step, offloaded/BW_d2h + offloaded/BW_h2d)`` (each
 
 Imports only keras (torch back end), torch, numpy, keras_lms and benchmarks/ (models.py, gpu_bench_measure.py:
 the measurements, gpu_bench_report.py: the results files; no TensorFlow).
@@ -107,6 +111,15 @@ def main(argv=None) -> int:
     log(f"device {results.data['meta']['device']}, torch {torch.__version__}, keras {keras.__version__}, "
         f"budget {args.budget_s:.0f}s, cap {args.cap_gib} GiB")
     try:
+        from keras_lms.calibrate import measure_profile
+
+        profile = measure_profile("cuda" if torch.cuda.is_available() else "cpu", smoke=args.smoke)
+        profile.save(args.out / "profile.json")
+        results.data["profile"] = profile.to_dict()
+        results.save()
+        log(f"profile: h2d {profile.host_to_device_bytes_per_second / 1e9:.1f} GB/s, d2h "
+            f"{profile.device_to_host_bytes_per_second / 1e9:.1f} GB/s, conv "
+            + ", ".join(f"{d} {r / 1e12:.1f} TFLOP/s" for d, r in profile.flops_per_second.items()))
         bw = measure_bandwidth(args.bandwidth_mib << 20, reps=5)
         results.data["bandwidth"] = bw
         results.save()
@@ -136,7 +149,7 @@ def main(argv=None) -> int:
                 break
             log(f"timing at edge {edge}")
             try:
-                t = time_steps(edge, args, bw)
+                t = time_steps(edge, args, bw, profile)
             except BudgetExceeded:
                 raise
             except Exception as err:
@@ -147,7 +160,8 @@ def main(argv=None) -> int:
                 continue
             results.data["timing"].append(t)
             results.save()
-            log(f"edge {edge}: plain {t['plain_ms']:.1f} ms, wrapped {t['lms_ms']:.1f} ms, lower bound "
+            log(f"edge {edge}: plain {t['plain_ms']:.1f} ms (predicted {t['predicted_plain_ms']:.1f}), wrapped "
+                f"{t['lms_ms']:.1f} ms (predicted {t['predicted_lms_ms']:.1f}), lower bound "
                 f"{_fmt(t['lower_bound_ms'], '.1f')} ms, wrapped/lower bound {_fmt(t['ratio_to_lower_bound'], '.3f')}")
         results.data["meta"]["complete"] = True
     except BudgetExceeded as err:

@@ -229,7 +229,18 @@ def largest_edge(mode: str, args, start_edge: int, deadline: float, results: Res
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def time_steps(edge: int, args, bandwidth: dict | None) -> dict:
+def predicted_times(wrapped, batch: int, profile) -> dict:
+    """keras_lms.report's prediction for the wrapped model on ``profile`` (the profile calibrated in this run):
+    step times of the plain step and the plan, and the plan's bytes each way."""
+    rep = keras_lms.report(wrapped, batch_size=batch, device_profile=profile)
+    planned, plain = rep.times["as planned"], rep.times["plain"]
+    return {"predicted_plain_ms": plain.step_seconds * 1e3, "predicted_lms_ms": planned.step_seconds * 1e3,
+            "predicted_exposed_ms": planned.exposed_seconds * 1e3,
+            "predicted_d2h_gib": planned.device_to_host_bytes / GIB,
+            "predicted_h2d_gib": planned.host_to_device_bytes / GIB}
+
+
+def time_steps(edge: int, args, bandwidth: dict | None, profile=None) -> dict:
     model, wrapped = build_pair(edge, args, wrap=True)
     x, y = make_data(edge, args.batch)
     times = {"plain": [], "lms": []}
@@ -277,6 +288,8 @@ def time_steps(edge: int, args, bandwidth: dict | None) -> dict:
         "ratio_to_plain": lms_s / plain_s,
         "target_ratio_to_lower_bound": 1.10,
     }
+    if profile is not None:
+        result.update(predicted_times(wrapped, args.batch, profile))
     del model, wrapped, x, y
     _free()
     return result

@@ -145,7 +145,19 @@ def to_markdown(data) -> str:
                 f"{_fmt(t['lower_bound_ms'], '.1f')} | **{_fmt(t['ratio_to_lower_bound'], '.3f')}** | "
                 f"{_fmt(t['ratio_to_plain'], '.3f')} |")
         lines += ["", "Lower bound: max(plain step, offloaded bytes / D2H bandwidth + offloaded bytes / H2D "
-                      "bandwidth); target wrapped / lower bound <= 1.10."]
+                      "bandwidth); target wrapped / lower bound <= 1.10.", "",
+                  "Predicted by `keras_lms.report(wrapped, device_profile=<profile.json of this run>)`:", "",
+                  "| edge | plain ms | predicted | wrapped ms | predicted | D2H GiB | predicted | H2D GiB "
+                  "| predicted |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for t in data["timing"]:
+            if "predicted_lms_ms" not in t:
+                continue
+            lines.append(
+                f"| {t['edge']} | {_fmt(t['plain_ms'], '.1f')} | {_fmt(t['predicted_plain_ms'], '.1f')} | "
+                f"{_fmt(t['lms_ms'], '.1f')} | {_fmt(t['predicted_lms_ms'], '.1f')} | {_fmt(t['d2h_gib'], '.3f')} | "
+                f"{_fmt(t['predicted_d2h_gib'], '.3f')} | {_fmt(t['h2d_gib'], '.3f')} | "
+                f"{_fmt(t['predicted_h2d_gib'], '.3f')} |")
     else:
         lines.append("not measured")
     if data["errors"]:

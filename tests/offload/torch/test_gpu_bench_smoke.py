@@ -37,5 +37,11 @@ def test_gpu_bench_smoke(tmp_path):
         assert {"plain_ms", "lms_ms", "plain_peak_gib", "lms_peak_gib", "offloaded_gib", "d2h_gib", "h2d_gib",
                 "lower_bound_ms", "ratio_to_lower_bound", "ratio_to_plain"} <= set(t)
         assert t["plain_ms"] > 0 and t["lms_ms"] > 0 and t["offloaded_gib"] > 0 and t["d2h_gib"] > 0
+        # the report's prediction on the profile calibrated in the same run, beside the measurement; the
+        # torch offloader's counters agree with the predicted traffic (CPU host copies: the same code path)
+        assert t["predicted_lms_ms"] >= t["predicted_plain_ms"] > 0
+        assert t["predicted_d2h_gib"] == pytest.approx(t["d2h_gib"], rel=0.10)
+        assert t["predicted_h2d_gib"] == pytest.approx(t["h2d_gib"], rel=0.10)
+    assert data["profile"]["name"] == "smoke-cpu" and (out / "profile.json").is_file()
     md = (out / "results.md").read_text()
-    assert "Voxel ratio wrapped / plain" in md and "| 12 |" in md
+    assert "Voxel ratio wrapped / plain" in md and "| 12 |" in md and "Predicted by" in md
