@@ -3,6 +3,8 @@
     python benchmarks/step_time.py                                  # float32 384^3, 400^3; mixed_float16 448^3, 496^3
     python benchmarks/step_time.py --edges 384 --dtype-policy float32 --json out.json
     python benchmarks/step_time.py --smoke                          # a small cube (CI, seconds)
+    python benchmarks/step_time.py --slab-choice                    # wrap(device_profile=) vs none, 288^3 and
+                                                                    # 320^3 float32, with simulated peaks (~5 min)
 
 The model is the max-cube benchmark's 3D U-Net (``benchmarks/simulated_gpu_peak.py``: 4 levels, 16 filters,
 batch 1), planned for ``device_budget="16GiB"`` as ``wrap`` plans it, on the TensorFlow back end's memory facts.
@@ -66,6 +68,40 @@ def measure(edge: int, budget: str, profiles) -> list:
     return rows
 
 
+def slab_choice(edges, budget: str, profile: str = "h100-pcie5") -> list:
+    """The budget planner with and without ``device_profile``: its slab size, the prediction on ``profile`` and
+    the simulated peak of the executed graph (``simulated_gpu_peak.cube_peak``, the budget's check)."""
+    from benchmarks.simulated_gpu_peak import cube_peak
+    from keras_lms.testing.logical_devices import HOST_STAND_IN
+
+    rows = []
+    for edge in edges:
+        model = unet((edge, edge, edge, 1), 16)
+        for chosen_with in (None, profile):
+            config = keras_lms.LMSConfig(device_budget=budget, device_profile=chosen_with)
+            rep = keras_lms.report(model, batch_size=1, config=config, device_profile=profile)
+            slabs = sorted({r["reason"].split("slabs of ")[1].split(" along")[0] for r in rep.rows
+                            if "slabs of" in r["reason"]}) or ["none (every call whole)"]
+            peak = cube_peak(edge, 1, dict(host_device=HOST_STAND_IN, device_budget=budget,
+                                           device_profile=chosen_with))
+            t = rep.times["as planned"]
+            rows.append(dict(edge=edge, profile=chosen_with or "none", slabs=", ".join(slabs),
+                             host_to_device_bytes=t.host_to_device_bytes, recompute_flops=t.recompute_flops,
+                             step_seconds=t.step_seconds, simulated_peak_bytes=peak))
+    return rows
+
+
+def slab_choice_table(rows, budget: str, profile: str = "h100-pcie5") -> Table:
+    t = Table(title=f"slab size chosen by the budget planner ({budget}), float32; step predicted on {profile}")
+    for column in ("edge", "device_profile", "slabs", "back GiB", "extra conv TFLOP", "step s", "simulated peak GiB"):
+        t.add_column(column, justify="left" if column in ("device_profile", "slabs") else "right")
+    for r in rows:
+        t.add_row(f"{r['edge']}^3", r["profile"], r["slabs"], f"{r['host_to_device_bytes'] / GIB:.1f}",
+                  f"{r['recompute_flops'] / 1e12:.2f}", f"{r['step_seconds']:.3f}",
+                  f"{r['simulated_peak_bytes'] / GIB:.2f}")
+    return t
+
+
 def table(rows, policy: str, budget: str) -> Table:
     t = Table(title=f"3D U-Net (16 filters, batch 1), device_budget={budget}, {policy}: predicted per step")
     for column in ("edge", "profile", "plan", "peak GiB", "to host GiB", "back GiB", "extra conv TFLOP",
@@ -86,9 +122,20 @@ def main(argv=None) -> int:
     parser.add_argument("--edges", default=None, help="comma-separated cube edges (default: per dtype policy)")
     parser.add_argument("--budget", default="16GiB")
     parser.add_argument("--smoke", action="store_true", help="one small cube with a small budget (CI)")
+    parser.add_argument("--slab-choice", action="store_true",
+                        help="the planner's slab size with and without device_profile, with simulated peaks")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.slab_choice:
+        keras.mixed_precision.set_global_policy("float32")
+        edges = [int(e) for e in args.edges.split(",")] if args.edges else [288, 320]
+        with simulated_host_ram():
+            rows = slab_choice(edges, args.budget)
+        console.print(slab_choice_table(rows, args.budget))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     policies = [args.dtype_policy] if args.dtype_policy else list(DEFAULT_EDGES)
     results = []
     with simulated_host_ram():

@@ -52,7 +52,8 @@ def times_table(times: dict, profile):
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def _gib(nbytes) -> str:

@@ -32,7 +32,8 @@ class StepTime:
     """Predicted time of one training step (seconds) and the work behind it.
 
     Attributes:
-        compute_seconds: the plain step's forward and backward (no recompute, no copies).
+        compute_seconds: the step's forward and backward at their plain cost, without recompute or copies
+            (a call the plan never runs, such as a concatenation a slab-computed reader elides, costs 0).
         recompute_seconds: what the plan adds to the compute stream (recomputed calls, slab halos).
         device_to_host_seconds / host_to_device_seconds: the copy engines' busy time.
         exposed_seconds: time the compute stream waits for copies back.

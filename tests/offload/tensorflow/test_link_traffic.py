@@ -40,3 +40,18 @@ def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows)
             assert r["old_count"] < 0.9 * measured, r
         else:
             assert r["old_count"] == pytest.approx(measured, rel=0.01), r
+
+
+def test_step_time_benchmark_smoke(tmp_path):
+    """benchmarks/step_time.py --smoke: plan x profile rows, the plain step the fastest, GH200 faster than PCIe."""
+    path = tmp_path / "st.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--smoke", "--dtype-policy",
+                          "float32", "--json", str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {(r["profile"], r["plan"]): r for r in json.loads(path.read_text())}
+    assert {plan for _, plan in rows} == {"plain", "as planned", "offload-only"}
+    for profile in ("h100-pcie5", "gh200"):
+        plain, planned = rows[(profile, "plain")], rows[(profile, "as planned")]
+        assert planned["step_seconds"] >= plain["step_seconds"] == pytest.approx(plain["compute_seconds"])
+        assert planned["host_to_device_bytes"] > 0  # the smoke budget needs offload
+    assert rows[("gh200", "as planned")]["step_seconds"] < rows[("h100-pcie5", "as planned")]["step_seconds"]
