@@ -42,40 +42,52 @@ FORCED = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
 
 
 def cases() -> list:
-    """(label, model builder, batch, wrap settings). The slab cases cut every large call in 4-8 slabs."""
+    """(label, model builder, batch, wrap settings, fused slab chains). The slab cases cut every large call in
+    4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution chains off (slab_chains.ENABLED)."""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
-    return [("3D U-Net 1x32^3 (2 levels, 4 filters), whole", unet3d, 1, FORCED),
-            ("3D U-Net 1x32^3, slabs of 64 KiB", unet3d, 1, {**FORCED, "slab_bytes": 64 << 10}),
-            ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED),
-            ("2D U-Net 2x64x64, slabs of 32 KiB", unet2d, 2, {**FORCED, "slab_bytes": 32 << 10})]
+    slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
+    return [("3D U-Net 1x32^3 (2 levels, 4 filters), whole", unet3d, 1, FORCED, True),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, unfused", unet3d, 1, slabs3d, False),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains", unet3d, 1, slabs3d, True),
+            ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED, True),
+            ("2D U-Net 2x64x64, slabs of 32 KiB, unfused", unet2d, 2, slabs2d, False),
+            ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True)]
 
 
-def measure(label, builder, batch, settings) -> dict:
+def measure(label, builder, batch, settings, fused) -> dict:
+    from keras_lms.offload.tensorflow import slab_chains
+
     model = build(builder)
     x_shape, y_shape = shapes(model, batch)
     plain = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False)
-    wrapped = keras_lms.wrap(model, **settings)
-    sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
-    rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:])
+    slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
+    try:
+        wrapped = keras_lms.wrap(model, **settings)
+        sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
+        rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:])
+    finally:
+        slab_chains.ENABLED = True
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
                 measured_out=sim.gpu.sent_bytes - plain.gpu.sent_bytes,
                 measured_in=sim.gpu.received_bytes - plain.gpu.received_bytes,
                 report_out=rep.totals["device_to_host_bytes_per_step"],
                 report_in=rep.totals["host_to_device_bytes_per_step"],
-                old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows))
+                old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused,
+                fused_chains=sum(r["decision"] == "recompute" for r in rep.rows))
 
 
 def table(rows) -> Table:
     t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
-    for column in ("case", "slab calls", "measured out", "report out", "measured in", "report in", "report error",
-                   "old count (in+out)", "old count error"):
+    for column in ("case", "slab calls", "fused chains", "measured out", "report out", "measured in", "report in",
+                   "report error", "old count (in+out)", "old count error"):
         t.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
         measured = r["measured_out"] + r["measured_in"]
         error = (r["report_out"] + r["report_in"]) / measured - 1
-        t.add_row(r["case"], str(r["slabs"]), f"{r['measured_out'] / MIB:.2f}", f"{r['report_out'] / MIB:.2f}",
+        t.add_row(r["case"], str(r["slabs"]), str(r["fused_chains"]), f"{r['measured_out'] / MIB:.2f}",
+                  f"{r['report_out'] / MIB:.2f}",
                   f"{r['measured_in'] / MIB:.2f}", f"{r['report_in'] / MIB:.2f}", f"{error:+.1%}",
                   f"{r['old_count'] / MIB:.2f}", f"{r['old_count'] / measured - 1:+.1%}")
     return t

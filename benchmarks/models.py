@@ -70,3 +70,34 @@ def resnetish(size=128, filters=32, blocks=4):
         x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inp, keras.layers.Dense(10)(x), name="resnetish")
+
+
+def unet(input_shape, base_filters: int = 32, levels: int = 4) -> keras.Model:
+    """U-Net (2D or 3D by ``input_shape``): ``levels`` down-sampling levels and a bottleneck, two
+    Conv-BN-ReLU per level, filters doubling per level, transposed-convolution up-sampling, concatenated
+    skips, a sigmoid 1x1 head."""
+    ndim = len(input_shape) - 1
+    conv = {2: keras.layers.Conv2D, 3: keras.layers.Conv3D}[ndim]
+    up = {2: keras.layers.Conv2DTranspose, 3: keras.layers.Conv3DTranspose}[ndim]
+    pool = {2: keras.layers.MaxPooling2D, 3: keras.layers.MaxPooling3D}[ndim]
+
+    def block(x, filters, prefix):
+        for j in (1, 2):
+            x = conv(filters, 3, padding="same", use_bias=False, name=f"{prefix}_conv{j}")(x)
+            x = keras.layers.BatchNormalization(name=f"{prefix}_bn{j}")(x)
+            x = keras.layers.ReLU(name=f"{prefix}_relu{j}")(x)
+        return x
+
+    inputs = keras.Input(input_shape)
+    x, skips = inputs, []
+    for level in range(levels):
+        x = block(x, base_filters * 2**level, f"down{level}")
+        skips.append(x)
+        x = pool(name=f"down{level}_pool")(x)
+    x = block(x, base_filters * 2**levels, "bottleneck")
+    for level in reversed(range(levels)):
+        x = up(base_filters * 2**level, 2, strides=2, padding="same", name=f"up{level}_upconv")(x)
+        x = keras.layers.Concatenate(name=f"up{level}_concat")([x, skips[level]])
+        x = block(x, base_filters * 2**level, f"up{level}")
+    outputs = conv(1, 1, activation="sigmoid", name="head")(x)
+    return keras.Model(inputs, outputs, name=f"unet{ndim}d")

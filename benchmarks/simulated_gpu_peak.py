@@ -33,6 +33,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.models, run as a script
 
 from keras_lms.testing import simulated_gpu
 from keras_lms.testing.logical_devices import HOST_STAND_IN, STAND_IN, configure_logical_cpus
@@ -45,6 +46,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import keras_lms  # noqa: E402
+from benchmarks.models import unet  # noqa: E402 - the max-cube U-Net, also imported from here
 from keras_lms import memory as lms_memory  # noqa: E402
 
 MIB = float(1 << 20)
@@ -62,37 +64,6 @@ def dense_chain(width: int = 1024, depth: int = 6) -> keras.Model:
     for i in range(depth):
         x = keras.layers.Dense(width, activation="relu", name=f"dense{i}")(x)
     return keras.Model(inputs, x, name=f"dense_chain_{depth}x{width}")
-
-
-def unet(input_shape, base_filters: int = 32, levels: int = 4) -> keras.Model:
-    """U-Net (2D or 3D by ``input_shape``): ``levels`` down-sampling levels and a bottleneck, two
-    Conv-BN-ReLU per level, filters doubling per level, transposed-convolution up-sampling, concatenated
-    skips, a sigmoid 1x1 head."""
-    ndim = len(input_shape) - 1
-    conv = {2: keras.layers.Conv2D, 3: keras.layers.Conv3D}[ndim]
-    up = {2: keras.layers.Conv2DTranspose, 3: keras.layers.Conv3DTranspose}[ndim]
-    pool = {2: keras.layers.MaxPooling2D, 3: keras.layers.MaxPooling3D}[ndim]
-
-    def block(x, filters, prefix):
-        for j in (1, 2):
-            x = conv(filters, 3, padding="same", use_bias=False, name=f"{prefix}_conv{j}")(x)
-            x = keras.layers.BatchNormalization(name=f"{prefix}_bn{j}")(x)
-            x = keras.layers.ReLU(name=f"{prefix}_relu{j}")(x)
-        return x
-
-    inputs = keras.Input(input_shape)
-    x, skips = inputs, []
-    for level in range(levels):
-        x = block(x, base_filters * 2**level, f"down{level}")
-        skips.append(x)
-        x = pool(name=f"down{level}_pool")(x)
-    x = block(x, base_filters * 2**levels, "bottleneck")
-    for level in reversed(range(levels)):
-        x = up(base_filters * 2**level, 2, strides=2, padding="same", name=f"up{level}_upconv")(x)
-        x = keras.layers.Concatenate(name=f"up{level}_concat")([x, skips[level]])
-        x = block(x, base_filters * 2**level, f"up{level}")
-    outputs = conv(1, 1, activation="sigmoid", name="head")(x)
-    return keras.Model(inputs, outputs, name=f"unet{ndim}d")
 
 
 def resnet(input_shape, filters: int = 32, stages: int = 3, blocks: int = 2, classes: int = 10) -> keras.Model:

@@ -19,9 +19,12 @@ def plan_times(step, profile) -> dict:
 
 
 def row_decision(step, index: int) -> str:
-    """``keep``, ``copy`` (its inputs' host copies come back for its backward) or ``copy+recompute`` (and its
-    forward is recomputed from them)."""
+    """``keep``, ``copy`` (its inputs' host copies come back for its backward), ``copy+recompute`` (and its
+    forward is recomputed from them) or ``recompute`` (its input is recomputed from another call's host copy:
+    ``PlanEntry.recompute_from``)."""
     entry, call = step.entries[index], step.calls[index]
+    if entry.recompute_from is not None:
+        return "recompute"  # its input comes from another call's host copy (a fused slab chain)
     if not entry.offloaded:
         return "keep"
     facts, unit = step.facts, call.unit

@@ -156,3 +156,8 @@ class BackendFacts:
     def slab_flop_factors(self, unit, slab) -> tuple:
         """``(forward, backward)`` multipliers of a slab-computed kernel call's FLOPs (its halos' recompute)."""
         return 1.0, 1.0
+
+    def fused_slab_chains(self, calls, offloaded, slabs: dict) -> dict:
+        """Call index -> (index of the call whose input copy it recomputes its input from, index of the call in
+        between) for the slab calls whose input is recomputed instead of copied (none here)."""
+        return {}

@@ -44,9 +44,18 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     """Say in each entry's reason when the call is computed in slabs (``LMSConfig.slab_bytes``)."""
     offloaded = [e for e in entries if e.offloaded]
     slab_bytes = min((e.slab_bytes for e in offloaded), default=0)  # one size per plan (fit_budget)
-    plans = facts.slab_plans(calls, [list(e.tensor_offloaded) for e in entries], batch_size, slab_bytes)
+    offloaded_rows = [list(e.tensor_offloaded) for e in entries]
+    plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
+    for v, (source, between) in facts.fused_slab_chains(calls, offloaded_rows, plans).items():
+        # the input is recomputed from the source's host copy, not copied (BackendFacts.fused_slab_chains)
+        entries[v].recompute_from = (source, between)
+        entries[v].offloaded_bytes = entries[v].new_host_bytes = 0
+        names = (calls[source].unit.name, calls[between].unit.name, calls[v].unit.name)
+        entries[v].reason += f"; input recomputed from {names[0]}'s host copy through {names[1]} (fused chain)"
+        entries[between].reason += f"; its gradient is taken in {names[2]}'s backward (fused chain)"
+        entries[source].reason += f"; its first backward pass is taken in {names[2]}'s backward (fused chain)"
     return entries
 
 

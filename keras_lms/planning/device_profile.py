@@ -3,9 +3,9 @@
 A plan's step time depends on two machines' worth of numbers: the device's compute rates (convolutions and
 matmuls per dtype, HBM bandwidth for element-wise work) and the host link's bandwidth in each direction, alone
 and with both directions busy (PCIe copies slow each other down: nvbandwidth #53). They are data, not code:
-the built-in profiles are JSON files in ``keras_lms/planning/profiles/``, each number with its source beside it,
-and ``keras-lms calibrate`` measures the same fields on the user's GPU and writes a file that ``wrap`` and
-``report`` accept (``device_profile="h100-pcie5"`` or ``device_profile="my_gpu.json"``).
+the built-in profiles are JSON files in `keras_lms/planning/profiles/`, each number with its source beside it,
+and `keras-lms calibrate` measures the same fields on the user's GPU and writes a file that `wrap` and
+`report` accept (`device_profile="h100-pcie5"` or `device_profile="my_gpu.json"`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class DeviceProfile:
     Args:
         name: a short name (`"h100-pcie5"`).
         description: what machine it describes.
-        flops_per_second: achieved rate of convolutions and matmuls per compute dtype (``"float32"`` means
+        flops_per_second: achieved rate of convolutions and matmuls per compute dtype (`"float32"` means
             TF32 tensor cores where the framework uses them).
         elementwise_bytes_per_second: bytes read plus written per second by memory-bound kernels
             (normalisation, activations, pooling, additions, concatenations).
@@ -41,7 +41,7 @@ class DeviceProfile:
             one direction at a time.
         host_to_device_concurrent_bytes_per_second / device_to_host_concurrent_bytes_per_second: the same
             while the other direction copies too.
-        memory_bytes: the device's memory (informational; ``device_budget`` is what plans are made for).
+        memory_bytes: the device's memory (informational; `device_budget` is what plans are made for).
         sources: field name -> where its number comes from.
 
     Raises:
@@ -89,20 +89,20 @@ class DeviceProfile:
                              "profile file, or measure one with `keras-lms calibrate --out profile.json`.")
 
     def flops_rate(self, dtype: str) -> float:
-        """FLOP/s for convolutions and matmuls computed in ``dtype`` (float32 for other dtypes)."""
+        """FLOP/s for convolutions and matmuls computed in `dtype` (float32 for other dtypes)."""
         return float(self.flops_per_second.get(dtype, self.flops_per_second["float32"]))
 
     def to_dict(self) -> dict:
-        """The profile's fields, as ``save`` writes them."""
+        """The profile's fields, as `save` writes them."""
         return dataclasses.asdict(self)
 
     @staticmethod
     def load(profile) -> "DeviceProfile":
-        """A profile from a built-in name, a JSON file's path, or a profile (``load_profile``)."""
+        """A profile from a built-in name, a JSON file's path, or a profile (`load_profile`)."""
         return load_profile(profile)
 
     def save(self, path) -> str:
-        """Write the profile as JSON (the format ``load_profile`` reads); returns ``path``."""
+        """Write the profile as JSON (the format `load_profile` reads); returns `path`."""
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
             f.write("\n")
@@ -115,13 +115,13 @@ def _positive(value) -> bool:
 
 
 def builtin_profiles() -> list:
-    """Names of the profiles that ship with keras-lms (``keras_lms/planning/profiles/*.json``)."""
+    """Names of the profiles that ship with keras-lms (`keras_lms/planning/profiles/*.json`)."""
     folder = resources.files("keras_lms.planning") / "profiles"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
 def profile_from_dict(data: dict, origin: str = "profile") -> DeviceProfile:
-    """A ``DeviceProfile`` from a JSON object; unknown or missing fields are refused with their names."""
+    """A `DeviceProfile` from a JSON object; unknown or missing fields are refused with their names."""
     if not isinstance(data, dict):
         raise ValueError(f"{origin} does not hold a JSON object with a device profile's fields.")
     names = {f.name for f in dataclasses.fields(DeviceProfile)}
@@ -136,7 +136,7 @@ def profile_from_dict(data: dict, origin: str = "profile") -> DeviceProfile:
 
 
 def load_profile(profile) -> DeviceProfile:
-    """A ``DeviceProfile`` from a built-in name (``"h100-pcie5"``), a JSON file's path, or a profile itself."""
+    """A `DeviceProfile` from a built-in name (`"h100-pcie5"`), a JSON file's path, or a profile itself."""
     if isinstance(profile, DeviceProfile):
         return profile
     if not isinstance(profile, (str, os.PathLike)):

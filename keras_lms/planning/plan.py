@@ -31,6 +31,9 @@ class PlanEntry:
             larger (``LMSConfig.slab_bytes``, or smaller when the budget planner chose so); 0: none.
         unoffloadable: why the back end cannot offload this call at all (a quantized layer; on torch, a layer
             that reads other layers' trainable variables), as the planning trace found; None when it can.
+        recompute_from: ``(source, between)`` call indices when this call's input is not copied but recomputed
+            in its backward from the host copy of call ``source``'s input through call ``between`` (TensorFlow's
+            fused slab chains: BatchNormalization -> activation -> convolution); None otherwise.
     """
 
     index: int
@@ -48,6 +51,15 @@ class PlanEntry:
     tensor_offloaded: list = dataclasses.field(default_factory=list)
     slab_bytes: int = 0  # the slab size of the TensorFlow slab machinery for this call (0: none)
     unoffloadable: str | None = None
+    recompute_from: tuple | None = None
+
+    @property
+    def decision(self) -> str:
+        """``keep`` (nothing of this call goes to host), ``copy`` (inputs copied to host and back) or
+        ``recompute`` (its input is recomputed from another call's host copy: ``recompute_from``)."""
+        if self.recompute_from is not None:
+            return "recompute"
+        return "copy" if self.offloaded else "keep"
 
     def __repr__(self) -> str:
         return f"PlanEntry({self.index}: {self.layer} [{self.layer_class}] {format_bytes(self.bytes)}, {self.reason})"
@@ -91,6 +103,7 @@ class CallDecision:
     offload_tensor: list  # bool per input tensor
     reason: str
     slab_bytes: int | None = None  # the slab size the call is computed with (None: the config's)
+    recompute_from: tuple | None = None  # (source call, call in between): PlanEntry.recompute_from
 
     @property
     def offloaded(self) -> bool:

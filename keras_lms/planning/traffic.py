@@ -63,6 +63,7 @@ class SlabTraffic:
     copied: tuple
     forward_in_bytes: int
     backward_in_bytes: int
+    passes: int = 1  # backward passes over the windows (BatchNormalization: 2, the first one fusable)
 
 
 def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0) -> LinkTraffic:
@@ -72,6 +73,9 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
+    chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
+    fused_sources = {source for source, _ in chains.values()}
+    fused_between = {between for _, between in chains.values()}
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
     first_offload = {}  # key -> the first call (forward order) that offloads it
@@ -84,12 +88,19 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
             continue  # a concatenation nobody builds: its reader offloads its parts
         if i in slabs:
             slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
+            backward = slab.backward_in_bytes
+            if i in chains:  # reads windows of the chain source's input copy instead of copying its own input
+                source = chains[i][0]
+                slab = SlabTraffic(((calls[source].keys[0], sizes_in[source][0]),), slab.forward_in_bytes,
+                                   slab.backward_in_bytes, slab.passes)
+            if i in fused_sources:  # its first pass runs in the chain's convolution, on that call's windows
+                backward = backward * (slab.passes - 1) // slab.passes
             for key, size in slab.copied:
                 first_offload.setdefault(key, i)
                 sizes[key] = size
                 read.add(key)
             fwd_in[i] += slab.forward_in_bytes
-            bwd_in[i] += slab.backward_in_bytes
+            bwd_in[i] += backward
             continue
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             if not off:
@@ -101,8 +112,9 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 bwd_in[i] += size
                 whole_reader.setdefault(key, i)
     for i, call in enumerate(calls):
-        if i in elided or not facts.reads_output_host_copy(call.unit) or not facts.backward_reads(call.unit)[1]:
-            continue
+        if (i in elided or i in fused_between or not facts.reads_output_host_copy(call.unit)
+                or not facts.backward_reads(call.unit)[1]):
+            continue  # (a fused chain's activation: its gradient is taken in the convolution's backward)
         for key, size in zip(keys_out[i], sizes_out[i]):
             if key not in first_offload:
                 continue  # no consumer offloaded it: the output stays on the device for this backward

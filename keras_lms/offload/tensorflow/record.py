@@ -55,3 +55,6 @@ class CallRecord:
     concatenated: bool = False  # the inputs are the parts of a channel concatenation the layer reads
     sources: list = dataclasses.field(default_factory=list)  # refs of the forward input tensors (slab forward)
     moment_count: tf.Tensor | None = None  # values per channel behind a slab BatchNorm's statistics
+    chain: tuple | None = None  # (BatchNorm record, activation record): the input is recomputed (slab_chains)
+    fused_gradient: tf.Tensor | None = None  # an activation's input gradient, taken in its consumer's backward
+    fused_moments: object = None  # a BatchNorm's first-pass totals (TotalMoments), taken in the chain's conv

@@ -53,12 +53,67 @@ class SlabCalls:
 
     def _slab_window(self, record, i, a, b, gate, trigger):
         """Rows [a, b) of input ``i`` on the device: cut from its host copy on the host once ``trigger`` and
-        ``gate`` (the previous window) have run, then sent alone; a kept input is sliced on the device."""
+        ``gate`` (the previous window) have run, then sent alone; a kept input is sliced on the device; a fused
+        chain's input is recomputed from its BatchNorm input's window (``_chain_window``)."""
+        if record.chain is not None:
+            return self._chain_window(record, a, b, gate, trigger)
         host = record.hosts[i]
         if host is None:
             with _on_device(record.compute_device), slabs.gated([gate]):
                 return slabs.rows(record.kept[i], a, b)
         return self._host_window(host, a, b, [trigger, gate], record)
+
+    def _chain_window(self, record, a, b, gate, trigger):
+        """Rows [a, b) of a fused chain's activation output (slab_chains): the window of the BatchNorm input's
+        host copy, sent alone as any window, then normalised with the forward's batch statistics and activated
+        on the device, by the layers' own calls. The BatchNorm input's rows are kept for the chain's further
+        gradients (``_chain_gradients``)."""
+        source, between = record.chain
+        c = self._host_window(source.hosts[0], a, b, [trigger, gate], record)
+        mean, variance, _ = source.moments[0]
+        with _on_device(record.compute_device):
+            outputs, _, _ = self._slab_call(source, [c], source.trainable, lambda x: (mean, variance))
+            args, kwargs = common.rebuild(between.template, between.positions, [tf.nest.flatten(outputs)[0]])
+            activated, _, _ = adapter.run_stateless(between.unit, between.original, between.trainable,
+                                                    between.snapshot, args, kwargs, between.autocast)
+        activated = tf.nest.flatten(activated)[0]
+        self.chain_windows[(record.index, a, b)] = (c, activated)
+        return activated
+
+    def _chain_gradients(self, record):
+        """``on_piece`` for a fused chain's convolution (slabs.backward): per slab, the activation's input
+        gradient from the recomputed output rows and the convolution's exact input-gradient rows, and the
+        BatchNorm's first-pass gradient of its batch mean and variance on the same rows (as
+        ``_slab_moment_gradients`` computes it). After the last slab ``finish()`` hands the activation its
+        gradient and the BatchNorm its totals."""
+        source, between = record.chain
+        direct = output_gradients.input_gradient_from_output(between.unit)
+        mean, variance, _ = source.moments[0]
+        activation_pieces, mean_parts, variance_parts = [], [], []
+
+        def on_piece(s0, s1, a, b, pieces):
+            c, activated = self.chain_windows.pop((record.index, a, b))
+            with _on_device(record.compute_device):
+                inner = (s0 - a, s1 - a)
+                d_normalized = direct(slabs.rows(activated, *inner), pieces[0])
+                m, v = tf.identity(mean), tf.identity(variance)
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch([m, v])
+                    outputs, _, _ = self._slab_call(source, [slabs.rows(c, *inner)], source.trainable,
+                                                    lambda x: (m, v))
+                d_mean, d_variance = tape.gradient(tf.nest.flatten(outputs)[0], [m, v],
+                                                   output_gradients=d_normalized)
+            activation_pieces.append(d_normalized)
+            mean_parts.append(d_mean)
+            variance_parts.append(d_variance)
+            return [d_normalized]
+
+        def finish():
+            between.fused_gradient = tf.concat(activation_pieces, slabs.AXIS)
+            source.fused_moments = TotalMoments(mean, variance, tf.add_n(mean_parts), tf.add_n(variance_parts),
+                                                source.moment_count)
+
+        return on_piece, finish
 
     def _host_window(self, host, a, b, gates, record, kind="bwd"):
         name = f"{SWAP_IN_NAME}_{record.index}_{kind}_rows{a}"
@@ -90,7 +145,9 @@ class SlabCalls:
         if plan.moments:
             if len(record.moments) != 1 or record.moment_count is None:
                 return None
-            moments = self._slab_moment_gradients(record, dy, trigger)
+            # a fused chain's convolution took the first pass on its own windows (slab_chains)
+            moments = (record.fused_moments if record.fused_moments is not None
+                       else self._slab_moment_gradients(record, dy, trigger))
 
         def differentiate(windows, dy_inputs, dy_weights):
             with _on_device(device):
@@ -105,10 +162,13 @@ class SlabCalls:
                         tape.gradient(y, weights, output_gradients=dy_weights))
 
         first_gate = moments.gate if moments is not None else None
+        on_piece, finish = self._chain_gradients(record) if record.chain is not None else (None, None)
         inputs, weight_grads = slabs.backward(
             plan, dy, lambda i, a, b, gate: self._slab_window(record, i, a, b, gate if gate is not None else first_gate,
                                                                 trigger),
-            differentiate, len(record.hosts), len(weights))
+            differentiate, len(record.hosts), len(weights), on_piece)
+        if finish is not None:
+            finish()
         own = weight_grads[:len(record.trainable)]
         if foreign_variables is None:
             return inputs + own

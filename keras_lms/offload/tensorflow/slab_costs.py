@@ -67,7 +67,7 @@ def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabT
         newest = max(p for _, _, p in tensors)
         older = sum(s for (_, s, p), off in zip(tensors, offload) if off and p != newest)
         forward = older * forward_row_factor(plan)
-    return SlabTraffic(copied, int(forward), int(backward))
+    return SlabTraffic(copied, int(forward), int(backward), passes)
 
 
 def slab_flop_factors(unit, plan) -> tuple:

@@ -121,13 +121,15 @@ class SlabGradients:
     foreign: list
 
 
-def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weights: int):
+def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weights: int, on_piece=None):
     """Differentiate a call slab by slab (see the module docstring).
 
     ``window_of(i, a, b, gate)`` returns input ``i``'s rows [a, b) on the device, cut after ``gate`` (a
     result of the slab before the previous one, or None); ``differentiate(windows, dy_inputs, dy_weights)``
     recomputes the call on the windows and returns (input gradients of the windows, weight gradients) for the
-    two upstream gradients (the same tensor when the layer has no halo).
+    two upstream gradients (the same tensor when the layer has no halo). ``on_piece(s0, s1, a, b, pieces)``,
+    when given, runs after each slab with its exact input-gradient pieces (rows [s0, s1)) and returns tensors
+    the next slabs wait for (a fused chain's further gradients: slab_chains).
     """
     pieces = [[] for _ in range(n_inputs)]
     weight_parts = [[] for _ in range(n_weights)]
@@ -153,6 +155,8 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
             if g is not None:
                 weight_parts[j].append(g)
                 done.append(g)
+        if on_piece is not None:
+            done = list(on_piece(s0, s1, a, b, [p[-1] if p else None for p in pieces])) + done
         finished = [finished[1], done[0] if done else finished[1]]
     inputs = [tf.concat(p, AXIS) if p else None for p in pieces]
     weights = [tf.add_n(p) if p else None for p in weight_parts]

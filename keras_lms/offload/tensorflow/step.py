@@ -39,6 +39,7 @@ class StepContext(SlabCalls, common.InterceptingContext):
         self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
         self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
         self.produced_at = {}  # tensor ref -> index of the call that produced it (graph mode)
+        self.chain_windows = {}  # (call index, a, b) -> a fused chain's windows, for its further gradients
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -121,6 +122,9 @@ class StepContext(SlabCalls, common.InterceptingContext):
         snapshot = ([tf.convert_to_tensor(v) for v in adapter.raw_values(unit.non_trainable_variables)]
                     if is_layer else [])
         masks = [adapter.get_mask(t) for t in tensors]
+        chain = self._chain(decision, plan, tensors, concatenated)
+        if chain is not None:
+            offload = [False]  # recomputed from the chain's BatchNorm input copy: no copy, nothing kept
         record = CallRecord(
             index=index, unit=unit, original=original, template=template, positions=positions,
             hosts=[self.swap_out(t) if off else None for t, off in zip(tensors, offload)],
@@ -130,7 +134,10 @@ class StepContext(SlabCalls, common.InterceptingContext):
             compute_device=next((t.device for t in tensors if t.device), None),
             kept_call=not decision.offloaded, autocast=adapter.current_autocast_dtype(),
             slabs=plan, concatenated=concatenated, sources=[t.ref() for t in tensors] if concatenated else [],
+            chain=chain,
         )
+        if chain is not None:
+            record.kept = [None]
         self.records[index] = record
         forward = {}
 
@@ -172,6 +179,18 @@ class StepContext(SlabCalls, common.InterceptingContext):
         self._note_outputs(unit, tensors, outputs)
         return outputs
 
+    def _chain(self, decision, plan, tensors, concatenated):
+        """(BatchNorm record, activation record) when the plan fuses this call's input (slab_chains) and the
+        step has what the fused backward needs; None (copy as usual) otherwise."""
+        if decision.recompute_from is None or plan is None or concatenated or len(tensors) != 1:
+            return None
+        source, between = (self.records.get(i) for i in decision.recompute_from)
+        if (source is None or between is None or source.slabs is None or not source.slabs.moments
+                or source.slabs.bounds != plan.bounds or source.hosts[0] is None or len(source.moments) != 1
+                or source.moment_count is None or between.output_key != tensors[0].ref()):
+            return None
+        return source, between
+
     # ----------------------------------------------------------------- backward
     def _trigger(self, record):
         """The gradient tensor whose arrival starts this call's swap-in (prefetch calls ahead)."""
@@ -211,6 +230,10 @@ class StepContext(SlabCalls, common.InterceptingContext):
             with _on_device(device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
+        if record.fused_gradient is not None:
+            # an activation of a fused chain: its consumer's backward took its gradient (slab_chains), from the
+            # same upstream gradient (it is the only consumer)
+            return [record.fused_gradient]
         if record.slabs is not None and not self.eager and upstream[0] is not None and len(upstream) == 1:
             result = self._slab_backward(record, upstream[0], trigger, foreign_variables)
             if result is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_lms.offload.tensorflow import slab_costs
+from keras_lms.offload.tensorflow import slab_chains, slab_costs
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.memory_model import variable_bytes
@@ -172,6 +172,9 @@ class TensorFlowFacts(BackendFacts):
 
     def slab_flop_factors(self, unit, slab) -> tuple:
         return slab_costs.slab_flop_factors(unit, slab)
+
+    def fused_slab_chains(self, calls, offloaded, slabs: dict) -> dict:
+        return slab_chains.fused_chains(calls, offloaded, slabs, self)
 
 
 FACTS = TensorFlowFacts()

@@ -42,6 +42,18 @@ def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows)
             assert r["old_count"] == pytest.approx(measured, rel=0.01), r
 
 
+def test_fused_chains_move_a_quarter_less_in_the_executed_graph(rows):
+    """slab_chains: the same models with fused BatchNorm -> ReLU -> convolution chains and without, side by side
+    (measured -24%/-25%): the activation's output is never copied and its windows come back only once."""
+    by_case = {r["case"]: r for r in rows}
+    for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
+        fused, unfused = by_case[f"{model}, fused chains"], by_case[f"{model}, unfused"]
+        assert fused["fused_chains"] >= 4 and unfused["fused_chains"] == 0
+        total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
+        assert total(fused) < 0.8 * total(unfused), (fused, unfused)
+        assert fused["measured_out"] < unfused["measured_out"] and fused["measured_in"] < unfused["measured_in"]
+
+
 def test_step_time_benchmark_smoke(tmp_path):
     """benchmarks/step_time.py --smoke: plan x profile rows, the plain step the fastest, GH200 faster than PCIe."""
     path = tmp_path / "st.json"

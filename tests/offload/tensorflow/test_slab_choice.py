@@ -5,7 +5,7 @@ import keras
 import pytest
 
 import keras_lms
-from benchmarks.simulated_gpu_peak import unet
+from benchmarks.models import unet
 
 pytestmark = pytest.mark.tensorflow(reason="slabs are TensorFlow's")
 

@@ -47,12 +47,12 @@ def slab_spy(monkeypatch):
         seen["forward_inputs_%d" % n_inputs] += 1
         return forward(run, window_of, n_inputs, plan)
 
-    def spy_backward(plan, dy, window_of, differentiate, n_inputs, n_weights):
+    def spy_backward(plan, dy, window_of, differentiate, n_inputs, n_weights, *rest):
         seen["backward"] += 1
         seen["backward_inputs_%d" % n_inputs] += 1
         seen["halo" if plan.halo else "no_halo"] += 1
         seen["strided"] += plan.stride > 1
-        return backward(plan, dy, window_of, differentiate, n_inputs, n_weights)
+        return backward(plan, dy, window_of, differentiate, n_inputs, n_weights, *rest)
 
     def spy_moments(*args, **kwargs):
         seen["moments"] += 1

@@ -1,0 +1,59 @@
+"""Fused slab chains: ``BatchNormalization -> activation -> convolution`` recomputed from one host copy.
+
+Per call, a slab-computed step copies the BatchNorm's input ``c`` and the convolution's input ``r =
+act(bn(c))`` to host, and its backward brings back ``r``'s windows twice (the convolution's, with halos, and the
+activation's own) and ``c``'s twice (BatchNorm's two passes). When each of the three is the only consumer of
+the one before, nothing else needs ``r``: the convolution's backward cuts windows of ``c``'s host copy instead,
+recomputes ``r`` on them from the forward's batch statistics (an element-wise chain), and with the same
+windows also takes the activation's gradient and the first pass of BatchNorm's (the gradient reaching its
+batch mean and variance, summed over slabs). The activation's backward and BatchNorm's first pass then run
+nothing, and ``r`` is never copied: per such chain 1 tensor goes out instead of 2 and about 2.3 come back
+instead of 4.3 (with 3x3x3 convolutions in 15-row slabs).
+
+The values are the unfused path's: the recomputed windows are the forward's element-wise ops on the same
+elements, and the first-pass sums are taken over the same slab bounds in the same order (a chain is fused only
+when the convolution's slabs and the BatchNorm's coincide). ``tests/offload/tensorflow/test_slab_chains.py``
+compares fused with unfused gradients and both with the plain model, and counts the bytes in the executed graph.
+
+``ENABLED = False`` turns fusion off (for comparisons); planning reads it.
+"""
+
+from __future__ import annotations
+
+from keras_lms.planning import layer_facts
+
+ENABLED = True
+
+
+def fused_chains(calls, offloaded, slabs: dict, facts) -> dict:
+    """Convolution call index -> (BatchNorm call index, activation call index) of every chain fused (see the
+    module docstring), from the traced calls, the per-call offload decisions and the slab plans."""
+    if not ENABLED or not slabs:
+        return {}
+    producers, consumers = {}, {}
+    for i, call in enumerate(calls):
+        for key in call.output_keys:
+            producers[key] = i
+        for key in set(call.keys):
+            consumers.setdefault(key, []).append(i)
+    chains = {}
+    for v, plan in slabs.items():
+        conv = calls[v]
+        if (plan.moments or len(conv.keys) != 1 or not any(offloaded[v])
+                or not layer_facts.is_keras_class(conv.unit, layer_facts.CONV_LAYERS)):
+            continue
+        r = producers.get(conv.keys[0])
+        if r is None or consumers.get(conv.keys[0]) != [v] or len(calls[r].keys) != 1:
+            continue
+        act = calls[r].unit
+        if (facts.output_gradient_activation(act) is None or getattr(act, "trainable_variables", None)
+                or getattr(act, "activity_regularizer", None) is not None):
+            continue
+        b = producers.get(calls[r].keys[0])
+        if b is None or consumers.get(calls[r].keys[0]) != [r] or b not in slabs:
+            continue
+        if not (slabs[b].moments and any(offloaded[b]) and slabs[b].bounds == plan.bounds
+                and getattr(calls[b].unit, "activity_regularizer", None) is None):
+            continue
+        chains[v] = (b, r)
+    return chains
