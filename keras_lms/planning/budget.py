@@ -49,8 +49,13 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
     for v, (source, between) in facts.fused_slab_chains(calls, offloaded_rows, plans).items():
-        # the input is recomputed from the source's host copy, not copied (BackendFacts.fused_slab_chains)
         entries[v].recompute_from = (source, between)
+        if between is None:  # an activation whose output windows are recomputed from the source's input copy
+            names = (calls[source].unit.name, calls[v].unit.name)
+            entries[v].reason += f"; its output recomputed from {names[0]}'s host copy in its backward (fused chain)"
+            entries[source].reason += f"; its first backward pass is taken in {names[1]}'s backward (fused chain)"
+            continue
+        # the input is recomputed from the source's host copy, not copied (BackendFacts.fused_slab_chains)
         entries[v].offloaded_bytes = entries[v].new_host_bytes = 0
         names = (calls[source].unit.name, calls[between].unit.name, calls[v].unit.name)
         entries[v].reason += f"; input recomputed from {names[0]}'s host copy through {names[1]} (fused chain)"

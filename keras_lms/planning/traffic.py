@@ -75,7 +75,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
     fused_sources = {source for source, _ in chains.values()}
-    fused_between = {between for _, between in chains.values()}
+    fused_between = {between for _, between in chains.values() if between is not None}
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
     first_offload = {}  # key -> the first call (forward order) that offloads it
@@ -89,7 +89,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
         if i in slabs:
             slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
             backward = slab.backward_in_bytes
-            if i in chains:  # reads windows of the chain source's input copy instead of copying its own input
+            if i in chains and chains[i][1] is not None:  # reads the chain source's input copy, copies nothing
                 source = chains[i][0]
                 slab = SlabTraffic(((calls[source].keys[0], sizes_in[source][0]),), slab.forward_in_bytes,
                                    slab.backward_in_bytes, slab.passes)

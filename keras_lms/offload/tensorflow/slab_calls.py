@@ -55,7 +55,7 @@ class SlabCalls:
         """Rows [a, b) of input ``i`` on the device: cut from its host copy on the host once ``trigger`` and
         ``gate`` (the previous window) have run, then sent alone; a kept input is sliced on the device; a fused
         chain's input is recomputed from its BatchNorm input's window (``_chain_window``)."""
-        if record.chain is not None:
+        if record.chain is not None and record.chain[1] is not None:
             return self._chain_window(record, a, b, gate, trigger)
         host = record.hosts[i]
         if host is None:
@@ -69,6 +69,7 @@ class SlabCalls:
         on the device, by the layers' own calls. The BatchNorm input's rows are kept for the chain's further
         gradients (``_chain_gradients``)."""
         source, between = record.chain
+        between = between or record  # BatchNorm -> activation: this call's own output
         c = self._host_window(source.hosts[0], a, b, [trigger, gate], record)
         mean, variance, _ = source.moments[0]
         with _on_device(record.compute_device):
@@ -87,7 +88,7 @@ class SlabCalls:
         ``_slab_moment_gradients`` computes it). After the last slab ``finish()`` hands the activation its
         gradient and the BatchNorm its totals."""
         source, between = record.chain
-        direct = output_gradients.input_gradient_from_output(between.unit)
+        direct = None if between is None else output_gradients.input_gradient_from_output(between.unit)
         mean, variance, _ = source.moments[0]
         activation_pieces, mean_parts, variance_parts = [], [], []
 
@@ -95,7 +96,9 @@ class SlabCalls:
             c, activated = self.chain_windows.pop((record.index, a, b))
             with _on_device(record.compute_device):
                 inner = (s0 - a, s1 - a)
-                d_normalized = direct(slabs.rows(activated, *inner), pieces[0])
+                # a convolution's piece is its input's gradient (the activation's output); an activation's is
+                # already the gradient of BatchNorm's output
+                d_normalized = pieces[0] if direct is None else direct(slabs.rows(activated, *inner), pieces[0])
                 m, v = tf.identity(mean), tf.identity(variance)
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch([m, v])
@@ -109,7 +112,8 @@ class SlabCalls:
             return [d_normalized]
 
         def finish():
-            between.fused_gradient = tf.concat(activation_pieces, slabs.AXIS)
+            if between is not None:
+                between.fused_gradient = tf.concat(activation_pieces, slabs.AXIS)
             source.fused_moments = TotalMoments(mean, variance, tf.add_n(mean_parts), tf.add_n(variance_parts),
                                                 source.moment_count)
 
@@ -127,15 +131,23 @@ class SlabCalls:
         unit, plan, device = record.unit, record.slabs, record.compute_device
         direct = output_gradients.input_gradient_from_output(unit)
         if direct is not None and len(record.hosts) == 1 and not record.trainable and foreign_variables is None:
-            # An activation whose gradient reads its output: windows of the output's host copy (else whole).
+            # An activation whose gradient reads its output: windows of the output's host copy (else whole), or,
+            # after a BatchNorm it fuses with (slab_chains), its output recomputed from the BatchNorm input's
+            # windows, which also give BatchNorm's first backward pass.
             host = self.host_copies.get(record.output_key)
-            if host is None or record.n_outputs != 1:
+            if (host is None and record.chain is None) or record.n_outputs != 1:
                 return None
 
             def differentiate(windows, dy_inputs, _):
                 with _on_device(device):
                     return [direct(windows[0], dy_inputs)], []
 
+            if record.chain is not None:
+                on_piece, finish = self._chain_gradients(record)
+                inputs, _ = slabs.backward(plan, dy, lambda i, a, b, gate: self._chain_window(
+                    record, a, b, gate, trigger), differentiate, 1, 0, on_piece)
+                finish()
+                return inputs
             inputs, _ = slabs.backward(plan, dy, lambda i, a, b, gate: self._host_window(
                 host, a, b, [trigger, gate], record), differentiate, 1, 0)
             return inputs

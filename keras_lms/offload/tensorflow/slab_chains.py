@@ -15,6 +15,12 @@ elements, and the first-pass sums are taken over the same slab bounds in the sam
 when the convolution's slabs and the BatchNorm's coincide). ``tests/offload/tensorflow/test_slab_chains.py``
 compares fused with unfused gradients and both with the plain model, and counts the bytes in the executed graph.
 
+A second, shorter chain, ``BatchNormalization -> activation`` where the activation's output has other
+consumers (a U-Net's skip, read by the pooling and the decoder) or a consumer that cannot fuse: the
+activation's slab backward cuts windows of ``c`` instead of its output's copy (the same bytes), recomputes its
+output on them and takes BatchNorm's first pass there, so BatchNorm's backward reads ``c`` once instead of twice.
+Its plan entry says ``recompute_from = (BatchNorm call, None)``.
+
 ``ENABLED = False`` turns fusion off (for comparisons); planning reads it.
 """
 
@@ -56,4 +62,25 @@ def fused_chains(calls, offloaded, slabs: dict, facts) -> dict:
                 and getattr(calls[b].unit, "activity_regularizer", None) is None):
             continue
         chains[v] = (b, r)
+    between = {r for _, r in chains.values()}
+    for r, plan in slabs.items():  # BatchNorm -> activation, the activation's output copied by its consumers
+        act = calls[r]
+        if (r in between or len(act.keys) != 1 or facts.output_gradient_activation(act.unit) is None
+                or getattr(act.unit, "trainable_variables", None)
+                or getattr(act.unit, "activity_regularizer", None) is not None):
+            continue
+        b = producers.get(act.keys[0])
+        if b is None or consumers.get(act.keys[0]) != [r] or b not in slabs or b in {s for s, _ in chains.values()}:
+            continue
+        if not (slabs[b].moments and any(offloaded[b]) and slabs[b].bounds == plan.bounds
+                and getattr(calls[b].unit, "activity_regularizer", None) is None):
+            continue
+        out = act.output_keys[0] if act.output_keys else None
+        # its backward reads windows of its output's copy today; it reads c's copy instead
+        if out is not None and any(_offloads(calls[c], offloaded[c], out) for c in consumers.get(out, [])):
+            chains[r] = (b, None)
     return chains
+
+
+def _offloads(call, row, key) -> bool:
+    return any(off for k, off in zip(call.keys, row) if k == key)

@@ -123,7 +123,7 @@ class StepContext(SlabCalls, common.InterceptingContext):
                     if is_layer else [])
         masks = [adapter.get_mask(t) for t in tensors]
         chain = self._chain(decision, plan, tensors, concatenated)
-        if chain is not None:
+        if chain is not None and chain[1] is not None:
             offload = [False]  # recomputed from the chain's BatchNorm input copy: no copy, nothing kept
         record = CallRecord(
             index=index, unit=unit, original=original, template=template, positions=positions,
@@ -136,7 +136,7 @@ class StepContext(SlabCalls, common.InterceptingContext):
             slabs=plan, concatenated=concatenated, sources=[t.ref() for t in tensors] if concatenated else [],
             chain=chain,
         )
-        if chain is not None:
+        if chain is not None and chain[1] is not None:
             record.kept = [None]
         self.records[index] = record
         forward = {}
@@ -184,10 +184,13 @@ class StepContext(SlabCalls, common.InterceptingContext):
         step has what the fused backward needs; None (copy as usual) otherwise."""
         if decision.recompute_from is None or plan is None or concatenated or len(tensors) != 1:
             return None
-        source, between = (self.records.get(i) for i in decision.recompute_from)
-        if (source is None or between is None or source.slabs is None or not source.slabs.moments
-                or source.slabs.bounds != plan.bounds or source.hosts[0] is None or len(source.moments) != 1
-                or source.moment_count is None or between.output_key != tensors[0].ref()):
+        source_index, between_index = decision.recompute_from
+        source = self.records.get(source_index)
+        between = None if between_index is None else self.records.get(between_index)
+        produced = getattr(source if between_index is None else between, "output_key", None)
+        if (source is None or (between_index is not None and between is None) or source.slabs is None
+                or not source.slabs.moments or source.slabs.bounds != plan.bounds or source.hosts[0] is None
+                or len(source.moments) != 1 or source.moment_count is None or produced != tensors[0].ref()):
             return None
         return source, between
 
