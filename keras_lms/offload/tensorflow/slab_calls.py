@@ -109,7 +109,9 @@ class SlabCalls:
             activation_pieces.append(d_normalized)
             mean_parts.append(d_mean)
             variance_parts.append(d_variance)
-            return [d_normalized]
+            # the next windows wait for this slab's first-pass gradient (it reads the window and the piece), so
+            # the scheduler cannot keep windows alive for a late first pass
+            return [d_mean, d_normalized]
 
         def finish():
             if between is not None:

@@ -44,7 +44,7 @@ def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows)
 
 def test_fused_chains_move_a_quarter_less_in_the_executed_graph(rows):
     """slab_chains: the same models with fused BatchNorm -> ReLU -> convolution chains and without, side by side
-    (measured -27%/-29%): a fused activation's output is never copied, its windows come back only once, and
+    (measured -24%/-25%): a fused activation's output is never copied, its windows come back only once, and
     BatchNorm's first backward pass reads no windows of its own."""
     by_case = {r["case"]: r for r in rows}
     for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):

@@ -36,6 +36,12 @@ def chain_spy(monkeypatch):
     return seen
 
 
+@pytest.fixture(autouse=True)
+def short_chains(monkeypatch):
+    """Both kinds of chain (the shorter one is off by default: it raises the max-cube peaks)."""
+    monkeypatch.setattr(slab_chains, "SHORT_CHAINS", True)
+
+
 def one_step(model, start, x, y, fused: bool, monkeypatch):
     monkeypatch.setattr(slab_chains, "ENABLED", fused)
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
@@ -108,3 +114,11 @@ def test_no_chain_when_the_activation_has_another_consumer():
     assert any("slabs" in e.reason for e in plan)
     # no convolution recomputes its input; the ReLU recomputes its own output (the shorter chain)
     assert [(e.layer_class, e.recompute_from[1]) for e in plan if e.recompute_from] == [("ReLU", None)]
+
+
+def test_the_shorter_chain_is_off_by_default(monkeypatch):
+    monkeypatch.setattr(slab_chains, "SHORT_CHAINS", False)
+    keras.utils.set_random_seed(0)
+    plan = keras_lms.wrap(bn_unet2d(), min_bytes=0, keep_last=0, slab_bytes=SLAB).plan(batch_size=4)
+    kinds = [e.recompute_from[1] is None for e in plan if e.recompute_from]
+    assert kinds and not any(kinds)
