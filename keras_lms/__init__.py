@@ -22,40 +22,14 @@ def _is_the_cli() -> bool:
     return (command or module) and "--verbose" not in argv
 
 
-class _QuietStartUp:
-    """Hold file descriptor 2 on /dev/null while TensorFlow starts (the `import keras` below), in the command only.
-
-    TensorFlow 2.21's C++ start-up lines (absl's "before absl::InitializeLog", oneDNN, cpu_feature_guard) are
-    written before its logging reads ``TF_CPP_MIN_LOG_LEVEL``: on a fresh install they appear whatever the level,
-    so the level alone (set too, for what TensorFlow logs later) does not keep the command's answer clean. An
-    import error still reaches stderr: the descriptor is restored before the exception propagates.
-    """
-
-    def __enter__(self):
-        self.saved = None
-        try:
-            _sys.stderr.flush()
-            self.saved = _os.dup(2)
-            devnull = _os.open(_os.devnull, _os.O_WRONLY)
-            _os.dup2(devnull, 2)
-            _os.close(devnull)
-        except OSError:  # no descriptor 2 (an embedded interpreter): nothing to quiet
-            self.saved = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            _os.dup2(self.saved, 2)
-            _os.close(self.saved)
-        return False
-
-
 if _is_the_cli():
     # The command's answer would follow about eight lines of TensorFlow start-up logs (absl, oneDNN,
     # cpu_feature_guard), printed while the `import keras` below imports TensorFlow, before keras_lms.cli.main
     # runs; `keras-lms --verbose ...` keeps them. A level the user set is left alone.
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with _QuietStartUp():
+    from keras_lms.quiet_startup import quiet_tensorflow_startup as _quiet_tensorflow_startup
+
+    with _quiet_tensorflow_startup():
         from keras_lms._keras_adapter import check_keras_version as _check_keras_version
 else:
     from keras_lms._keras_adapter import check_keras_version as _check_keras_version

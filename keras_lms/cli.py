@@ -85,13 +85,15 @@ def _report(args) -> int:
     return 0
 
 
-def info_dict() -> dict:
-    """Versions, Horovod build flags, devices and host RAM (what a bug report needs)."""
+def info_dict(quiet: bool = False) -> dict:
+    """Versions, Horovod build flags, devices and host RAM (what a bug report needs); ``quiet`` holds
+    TensorFlow's start-up lines back when it is imported here (another Keras back end is active)."""
     import keras
     import psutil
 
     import keras_lms
     from keras_lms.planning.device_profile import builtin_profiles
+    from keras_lms.quiet_startup import quiet_tensorflow_startup
 
     out = {
         "keras_lms": keras_lms.__version__,
@@ -104,7 +106,8 @@ def info_dict() -> dict:
         "device_profiles": builtin_profiles(),
     }
     try:
-        import tensorflow as tf
+        with quiet_tensorflow_startup(quiet):
+            import tensorflow as tf
 
         out["tensorflow"] = tf.__version__
         out["devices"] = [d.name for d in tf.config.list_logical_devices()]
@@ -112,7 +115,9 @@ def info_dict() -> dict:
         out["tensorflow"] = None
     try:
         import horovod
-        import horovod.tensorflow as hvd
+
+        with quiet_tensorflow_startup(quiet):
+            import horovod.tensorflow as hvd
 
         out["horovod"] = horovod.__version__
         out["horovod_build"] = {name: bool(getattr(hvd, f"{name}_built")()) for name in
@@ -141,7 +146,7 @@ def _calibrate(args) -> int:
 
 
 def _info(args) -> int:
-    data = info_dict()
+    data = info_dict(quiet=not args.verbose)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
