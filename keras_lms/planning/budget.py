@@ -46,9 +46,13 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     slab_bytes = min((e.slab_bytes for e in offloaded), default=0)  # one size per plan (fit_budget)
     offloaded_rows = [list(e.tensor_offloaded) for e in entries]
     plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
+    chains = facts.fused_slab_chains(calls, offloaded_rows, plans)
+    fused_sources = {source for source, _ in chains.values()}
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
-    for v, (source, between) in facts.fused_slab_chains(calls, offloaded_rows, plans).items():
+        if plan.moments and i not in fused_sources:  # say why its copy comes back twice
+            entries[i].reason += " (its input windows come back twice: BatchNorm's two backward passes)"
+    for v, (source, between) in chains.items():
         entries[v].recompute_from = (source, between)
         if between is None:  # an activation whose output windows are recomputed from the source's input copy
             names = (calls[source].unit.name, calls[v].unit.name)
@@ -58,7 +62,9 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
         # the input is recomputed from the source's host copy, not copied (BackendFacts.fused_slab_chains)
         entries[v].offloaded_bytes = entries[v].new_host_bytes = 0
         names = (calls[source].unit.name, calls[between].unit.name, calls[v].unit.name)
-        entries[v].reason += f"; input recomputed from {names[0]}'s host copy through {names[1]} (fused chain)"
+        slab_note = entries[v].reason.split(";", 1)[1] if ";" in entries[v].reason else ""
+        entries[v].reason = (f"recomputed: its input from {names[0]}'s host copy through {names[1]}, nothing "
+                             f"copied (fused chain);{slab_note}")
         entries[between].reason += f"; its gradient is taken in {names[2]}'s backward (fused chain)"
         entries[source].reason += f"; its first backward pass is taken in {names[2]}'s backward (fused chain)"
     return entries
