@@ -3,7 +3,8 @@ decision in words (``keras_lms.report`` with ``device_profile=``)."""
 
 from __future__ import annotations
 
-from keras_lms.planning import layer_facts
+from keras_lms.config import format_bytes
+from keras_lms.planning.step_time import recomputes_forward
 
 
 def plan_times(step, profile) -> dict:
@@ -22,19 +23,11 @@ def row_decision(step, index: int) -> str:
     """``keep``, ``copy`` (its inputs' host copies come back for its backward), ``copy+recompute`` (and its
     forward is recomputed from them) or ``recompute`` (its input is recomputed from another call's host copy:
     ``PlanEntry.recompute_from``)."""
-    entry, call = step.entries[index], step.calls[index]
-    if entry.recompute_from is not None:
-        return "recompute"  # its input comes from another call's host copy (a fused slab chain)
-    if not entry.offloaded:
-        return "keep"
-    facts, unit = step.facts, call.unit
-    if facts.keeps_no_activation(unit) or facts.output_gradient_activation(unit) is not None:
-        return "copy"  # its backward reads no input values, or only its output's copy
-    if layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS):
-        recomputed = facts.recomputes_offloaded_output(unit) and not facts.lean_convolution_call(unit)
-        return "copy+recompute" if recomputed else "copy"
-    lean = step.config.lean_normalization and facts.lean_normalization_call(unit, call.dtypes)
-    return "copy" if lean else "copy+recompute"
+    entry = step.entries[index]
+    if entry.decision != "copy":
+        return entry.decision  # keep, or recompute (its input comes from another call's host copy)
+    recomputed = recomputes_forward(step.calls[index], step.facts, step.config.lean_normalization)
+    return "copy+recompute" if recomputed else "copy"
 
 
 def times_table(times: dict, profile):
@@ -50,16 +43,10 @@ def times_table(times: dict, profile):
         table.add_row(name, _ms(t.compute_seconds), _ms(t.recompute_seconds), _ms(t.device_to_host_seconds),
                       _ms(t.host_to_device_seconds), _ms(t.exposed_seconds), _ms(t.step_seconds),
                       f"{t.step_seconds / plain:.2f}" if plain else "-",
-                      _gib(t.device_to_host_bytes), _gib(t.host_to_device_bytes))
+                      format_bytes(t.device_to_host_bytes), format_bytes(t.host_to_device_bytes))
     return table
 
 
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
-
-
-def _gib(nbytes) -> str:
-    from keras_lms.config import format_bytes
-
-    return format_bytes(nbytes)

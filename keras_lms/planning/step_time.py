@@ -182,16 +182,22 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
                     traffic.device_to_host_bytes, traffic.host_to_device_bytes)
 
 
-def _recompute_seconds(cost, call, facts, profile, lean_normalization: bool) -> float:
-    """Compute an offloaded call's backward adds: its forward again where the back end recomputes it."""
+def recomputes_forward(call, facts, lean_normalization: bool = True) -> bool:
+    """Whether an offloaded call's backward runs its forward again (what the step time charges, and what the
+    report calls ``copy+recompute``): not for structural calls, output-differentiated activations, kernels whose
+    recompute the back end prunes (TensorFlow) or does without (torch's lean convolution), or lean normalisation."""
     unit = call.unit
     if facts.keeps_no_activation(unit) or facts.output_gradient_activation(unit) is not None:
-        return 0.0  # structural, or differentiated from its output: nothing to recompute
+        return False  # structural, or differentiated from its output: nothing to recompute
     if layer_facts.is_keras_class(unit, layer_facts.KERNEL_LAYERS):
-        lean = facts.lean_convolution_call(unit)
-        if lean or not facts.recomputes_offloaded_output(unit):
-            return 0.0  # pruned (TensorFlow: the gradient reads no output) or a lean convolution (torch)
-        return cost.forward_flops / profile.flops_rate(cost.dtype)
-    if lean_normalization and facts.lean_normalization_call(unit, call.dtypes):
+        return facts.recomputes_offloaded_output(unit) and not facts.lean_convolution_call(unit)
+    return not (lean_normalization and facts.lean_normalization_call(unit, call.dtypes))
+
+
+def _recompute_seconds(cost, call, facts, profile, lean_normalization: bool) -> float:
+    """Compute an offloaded call's backward adds: its forward again where the back end recomputes it."""
+    if not recomputes_forward(call, facts, lean_normalization):
         return 0.0
+    if layer_facts.is_keras_class(call.unit, layer_facts.KERNEL_LAYERS):
+        return cost.forward_flops / profile.flops_rate(cost.dtype)
     return cost.forward_bytes / profile.elementwise_bytes_per_second
