@@ -283,6 +283,8 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         config = config or LMSConfig()
     if device_budget is not None:
         config = dataclasses.replace(config, device_budget=parse_bytes(device_budget, "device_budget"))
+    if profile is not None and config.device_profile is None:
+        config = dataclasses.replace(config, device_profile=profile)  # plan as wrap(device_profile=) would
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; build it or pass input_shape= to report().")
     backend = offload.active_backend()

@@ -161,3 +161,8 @@ class BackendFacts:
         """Call index -> (index of the call whose input copy it recomputes its input from, index of the call in
         between) for the slab calls whose input is recomputed instead of copied (none here)."""
         return {}
+
+    def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
+        """Tensor key -> ``planning.recompute.RecomputeSource`` for the tensors this back end can recompute in
+        windows instead of copying (none here: no back end but TensorFlow's slabs reads windows)."""
+        return {}

@@ -16,7 +16,8 @@ import logging
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import simulate, tensor_sizes
-from keras_lms.planning.plan import CallDecision, plan_entries
+from keras_lms.planning.plan import CallDecision, plan_entries, tensor_bytes
+from keras_lms.planning.recompute import choose_recomputed
 from keras_lms.planning.step_time import predict_step_time
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,55 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     if config.device_budget is not None:
         decisions = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
-    return _note_slabs(calls, entries, facts, batch_size)
+    entries = _note_slabs(calls, entries, facts, batch_size)
+    if config.device_profile is not None:
+        _plan_recompute(calls, entries, config, facts, batch_size)
+    return entries
+
+
+def _plan_recompute(calls, entries, config, facts, batch_size: int) -> None:
+    """Mark the tensors to recompute instead of copying (``planning.recompute``), chosen by the predicted step
+    on ``config.device_profile``, and say so in the entries' reasons."""
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes = min((e.slab_bytes for e in entries if e.offloaded), default=0)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
+    if not slabs:
+        return
+    chains = facts.fused_slab_chains(calls, offloaded, slabs)
+    candidates = {s.producer: s for s in facts.recompute_sources(calls, offloaded, slabs, chains, batch_size).values()
+                  if s.chosen}
+    if not candidates:
+        return
+
+    def seconds(recomputed):
+        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                                 slab_bytes, config.lean_normalization, recomputed).step_seconds
+
+    chosen = choose_recomputed(candidates, seconds)
+    if not chosen:
+        return
+    log.info("keras-lms: recomputing %d tensors instead of copying them (predicted step %.3f s on %s).",
+             len(chosen), seconds(chosen), config.device_profile.name)
+    by_key = {candidates[p].key: p for p in chosen}
+    recounted = {}  # recomputed key -> the first entry that counted it as new host bytes
+    for p in sorted(chosen):
+        entries[p].recomputed_output = True
+        entries[p].reason += ("; its output is not copied: every backward that reads it recomputes its windows "
+                              "from this call's inputs (cheaper than the host link on "
+                              f"{config.device_profile.name})")
+    for i, call in enumerate(calls):
+        producers = [by_key[k] for k in call.keys if k in by_key]
+        if not producers or not entries[i].offloaded:
+            continue
+        entries[i].recomputed_inputs = sorted(set(producers))
+        names = ", ".join(calls[p].unit.name for p in entries[i].recomputed_inputs)
+        entries[i].reason += f"; its input from {names} is recomputed in windows, not copied"
+        for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entries[i].tensor_offloaded):
+            if off and key in by_key:  # no host copy of it (host memory: only what is copied)
+                size = tensor_bytes(shape, dtype, batch_size)
+                entries[i].offloaded_bytes = max(0, entries[i].offloaded_bytes - size)
+                if recounted.setdefault(key, i) == i:
+                    entries[i].new_host_bytes = max(0, entries[i].new_host_bytes - size)
 
 
 def _note_slabs(calls, entries, facts, batch_size: int) -> list:

@@ -34,6 +34,9 @@ class PlanEntry:
         recompute_from: ``(source, between)`` call indices when this call's input is not copied but recomputed
             in its backward from the host copy of call ``source``'s input through call ``between`` (TensorFlow's
             fused slab chains: BatchNormalization -> activation -> convolution); None otherwise.
+        recomputed_output: the call's output is never copied to host; every backward that reads it recomputes
+            its windows from this call's inputs (``planning.recompute``, chosen by the step-time model).
+        recomputed_inputs: indices of the calls whose recomputed outputs this call reads (empty: none).
     """
 
     index: int
@@ -52,12 +55,15 @@ class PlanEntry:
     slab_bytes: int = 0  # the slab size of the TensorFlow slab machinery for this call (0: none)
     unoffloadable: str | None = None
     recompute_from: tuple | None = None
+    recomputed_output: bool = False
+    recomputed_inputs: list = dataclasses.field(default_factory=list)
 
     @property
     def decision(self) -> str:
         """``keep`` (nothing of this call goes to host), ``copy`` (inputs copied to host and back) or
-        ``recompute`` (its input is recomputed from another call's host copy: ``recompute_from``)."""
-        if self.recompute_from is not None:
+        ``recompute`` (its input is recomputed from another call's host copy: ``recompute_from``, or from the
+        inputs of the calls in ``recomputed_inputs``)."""
+        if self.recompute_from is not None or self.recomputed_inputs:
             return "recompute"
         return "copy" if self.offloaded else "keep"
 

@@ -14,6 +14,7 @@ from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
+from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
 
@@ -67,17 +68,26 @@ class StepPlan:
         goes to host, with no narrowing to ``device_budget`` (what keras-lms did before budgets)."""
         return [list(d.offload_tensor) for d in rules.decide_all(self.calls, self.config, self.batch_size)]
 
+    @property
+    def recomputed(self) -> frozenset:
+        """The calls whose outputs the plan recomputes in windows instead of copying (``planning.recompute``)."""
+        return recomputed_producers(self.entries)
+
     def link_traffic(self, offloaded=None) -> LinkTraffic:
-        """The host-link transfers of the plan (or of ``offloaded``): ``traffic.link_traffic``."""
-        return link_traffic(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
-                            self.batch_size, self.slab_bytes)
+        """The host-link transfers of the plan (or of ``offloaded``, with nothing recomputed):
+        ``traffic.link_traffic``."""
+        if offloaded is None:
+            return link_traffic(self.calls, self.offloaded, self.facts, self.batch_size, self.slab_bytes,
+                                self.recomputed)
+        return link_traffic(self.calls, offloaded, self.facts, self.batch_size, self.slab_bytes)
 
     def step_time(self, profile, offloaded=None) -> StepTime:
-        """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` (all
-        False: the plain step)."""
+        """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` with
+        nothing recomputed (all False: the plain step)."""
+        recomputed = self.recomputed if offloaded is None else frozenset()
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
                                  profile, self.batch_size, self.config.prefetch, self.slab_bytes,
-                                 self.config.lean_normalization)
+                                 self.config.lean_normalization, recomputed)
 
 
 def plan_step(backend, model, structure, config: LMSConfig, inputs, kwargs=None, batch_size: int = 1,

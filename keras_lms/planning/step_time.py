@@ -2,7 +2,8 @@
 
 The compute stream runs the forward calls, then their backward in reverse, each at the roofline of the device
 profile (kernel FLOPs at the dtype's rate, memory-bound bytes at HBM bandwidth), plus what the plan makes it
-recompute (``BackendFacts.recomputes_offloaded_output`` and the halos of slab-computed calls). The host link has
+recompute (``BackendFacts.recomputes_offloaded_output``, the halos of slab-computed calls and the windows of tensors
+recomputed instead of copied, ``planning.recompute``). The host link has
 one copy engine per direction, each working through its copies in the order they are issued, at the profile's
 solo rate, or at its concurrent rate while the other direction is busy too:
 
@@ -34,7 +35,8 @@ class StepTime:
     Attributes:
         compute_seconds: the step's forward and backward at their plain cost, without recompute or copies
             (a call the plan never runs, such as a concatenation a slab-computed reader elides, costs 0).
-        recompute_seconds: what the plan adds to the compute stream (recomputed calls, slab halos).
+        recompute_seconds: what the plan adds to the compute stream (recomputed calls, slab halos, windows of
+            tensors recomputed instead of copied: ``planning.recompute``).
         device_to_host_seconds / host_to_device_seconds: the copy engines' busy time.
         exposed_seconds: time the compute stream waits for copies back.
         step_seconds: compute + recompute + exposed.
@@ -116,12 +118,18 @@ def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> floa
 
 
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
-                      slab_bytes: int = 0, lean_normalization: bool = True) -> StepTime:
-    """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host) on ``profile``
-    (a ``DeviceProfile``); with no input offloaded it is the plain step. See the module docstring."""
+                      slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset()) -> StepTime:
+    """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host; ``recomputed``:
+    the calls whose outputs are recomputed instead of copied) on ``profile`` (a ``DeviceProfile``); with no
+    input offloaded it is the plain step. See the module docstring."""
     n = len(calls)
     costs = [call_cost(call, batch_size) for call in calls]
-    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes)
+    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed)
+
+    def window_recompute(flops_and_bytes, dtype):
+        flops, nbytes = flops_and_bytes
+        return flops / profile.flops_rate(dtype) + nbytes / profile.elementwise_bytes_per_second, flops
+
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     link = _Link(profile)
@@ -145,9 +153,11 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         factor = facts.slab_flop_factors(calls[i].unit, slabs[i])[0] if i in slabs else 1.0
         base = 0.0 if i in elided else _compute_seconds(cost, profile, 1.0, backward=False)
         run = 0.0 if i in elided else _compute_seconds(cost, profile, factor, backward=False)
+        redo, redo_flops = window_recompute(traffic.forward_recompute[i], cost.dtype)
+        run += redo
         plain, recompute = plain + base, recompute + run - base
         flops += cost.forward_flops
-        extra_flops += cost.forward_flops * (factor - 1) if i not in elided else 0.0
+        extra_flops += (cost.forward_flops * (factor - 1) if i not in elided else 0.0) + redo_flops
         k = traffic.backward_pieces[i] if traffic.forward_in_bytes[i] else 1
         for j in range(k):
             link.issue("in", traffic.forward_in_bytes[i] / k, ("fwd", i, j))
@@ -170,6 +180,8 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
             redo = _recompute_seconds(cost, calls[i], facts, profile, lean_normalization)
             run += redo
             extra += cost.forward_flops if redo and cost.forward_flops else 0.0
+        redo, redo_flops = window_recompute(traffic.backward_recompute[i], cost.dtype)
+        run, extra = run + redo, extra + redo_flops
         plain, recompute, extra_flops = plain + base, recompute + run - base, extra_flops + extra
         pieces = pending[i]
         for ident in pieces:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.planning.memory_model import tensor_sizes
+from keras_lms.planning.recompute import expand_read
 
 
 @dataclasses.dataclass
@@ -35,12 +36,16 @@ class LinkTraffic:
         forward_in_bytes: host -> device bytes call i's forward reads (slab windows of a skip's host copy).
         backward_in_bytes: host -> device bytes call i's backward reads.
         backward_pieces: how many pieces call i's backward reads them in (its slab count; 1 when whole).
+        forward_recompute / backward_recompute: ``(kernel FLOPs, memory-bound bytes)`` call i's forward and
+            backward spend recomputing windows of tensors that were not copied (``planning.recompute``).
     """
 
     out_bytes: list
     forward_in_bytes: list
     backward_in_bytes: list
     backward_pieces: list
+    forward_recompute: list = dataclasses.field(default_factory=list)
+    backward_recompute: list = dataclasses.field(default_factory=list)
 
     @property
     def device_to_host_bytes(self) -> int:
@@ -64,43 +69,57 @@ class SlabTraffic:
     forward_in_bytes: int
     backward_in_bytes: int
     passes: int = 1  # backward passes over the windows (BatchNormalization: 2, the first one fusable)
+    reads: tuple = ()  # (key, bytes, rows read, windows, "fwd" or "bwd") per tensor read
+    length: int = 0  # rows of the call's inputs along the sliced axis
 
 
-def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0) -> LinkTraffic:
+def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0,
+                 recomputed=frozenset()) -> LinkTraffic:
     """The host-link transfers of a plan (``offloaded[i][j]``: input j of call i goes to host); see the module
-    docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size."""
+    docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size; ``recomputed``
+    the calls whose outputs are recomputed instead of copied (``planning.recompute``)."""
     n = len(calls)
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
+    sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size) if slabs else {},
+                             recomputed)
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
+    work = {"fwd": [[0.0, 0.0] for _ in range(n)], "bwd": [[0.0, 0.0] for _ in range(n)]}
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
     first_offload = {}  # key -> the first call (forward order) that offloads it
     whole_reader = {}  # key -> the first call whose backward brings the whole tensor back
     read = set()  # keys some backward reads from host
     sizes = {}
+
+    def window_read(i, key, size, rows, windows, length, kind):
+        """A read of windows of ``key`` by call i: from its host copy, or expanded where it is recomputed."""
+        expanded = expand_read(key, size, rows, windows, length, sources)
+        for leaf, (leaf_size, nbytes) in expanded.leaves.items():
+            first_offload.setdefault(leaf, i)
+            sizes[leaf] = leaf_size
+            read.add(leaf)
+            (fwd_in if kind == "fwd" else bwd_in)[i] += int(nbytes)
+        work[kind][i][0] += expanded.flops
+        work[kind][i][1] += expanded.elementwise_bytes
+
     for i, call in enumerate(calls):
         reads_inputs = facts.backward_reads(call.unit)[0]
         if i in elided:
             continue  # a concatenation nobody builds: its reader offloads its parts
         if i in slabs:
             slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
-            backward = slab.backward_in_bytes
-            if i in chains and chains[i][1] is not None:  # reads the chain source's input copy, copies nothing
-                source = chains[i][0]
-                slab = SlabTraffic(((calls[source].keys[0], sizes_in[source][0]),), slab.forward_in_bytes,
-                                   slab.backward_in_bytes, slab.passes)
-            if i in fused_sources:  # its first pass runs in the chain's convolution, on that call's windows
-                backward = backward * (slab.passes - 1) // slab.passes
+            # (a fused chain's convolution reads its input's windows through the chain: ``sources``)
+            keep = (slab.passes - 1) / slab.passes if i in fused_sources else 1.0
             for key, size in slab.copied:
                 first_offload.setdefault(key, i)
-                sizes[key] = size
-                read.add(key)
-            fwd_in[i] += slab.forward_in_bytes
-            bwd_in[i] += backward
+            for key, size, rows, windows, kind in slab.reads:
+                if kind == "bwd" and keep != 1.0:  # its first pass runs in the chain's convolution
+                    rows, windows = rows * keep, max(1, round(windows * keep))
+                window_read(i, key, size, rows, windows, slab.length, kind)
             continue
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             if not off:
@@ -120,12 +139,19 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 continue  # no consumer offloaded it: the output stays on the device for this backward
             if i in slabs and facts.output_gradient_activation(call.unit) is None:
                 continue  # a slab-computed kernel call recomputes its activation on its input windows
-            read.add(key)
-            sizes.setdefault(key, size)
-            if i in slabs or key not in whole_reader:
-                # brings the output back itself (a slab-computed activation: windows of the output's copy,
-                # which partition it, as an activation's halo is 0)
-                bwd_in[i] += size
+            if i in slabs:
+                # windows of the output's copy, which partition it (an activation's halo is 0)
+                window_read(i, key, size, slabs[i].length, slabs[i].count, slabs[i].length, "bwd")
+            elif key not in whole_reader:
+                read.add(key)
+                sizes.setdefault(key, size)
+                bwd_in[i] += size  # brings the output back itself
     for key in read:
         out[first_offload[key]] += sizes[key]
-    return LinkTraffic(out, fwd_in, bwd_in, pieces)
+    return LinkTraffic(out, fwd_in, bwd_in, pieces, [tuple(w) for w in work["fwd"]],
+                       [tuple(w) for w in work["bwd"]])
+
+
+def active_sources(sources: dict, recomputed) -> dict:
+    """The recompute sources in effect: the back end's own (fused chains) and the chosen producers'."""
+    return {key: s for key, s in sources.items() if not s.chosen or s.producer in recomputed}

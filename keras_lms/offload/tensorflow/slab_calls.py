@@ -12,10 +12,11 @@ from keras_lms.offload import common
 from keras_lms.offload.tensorflow import output_gradients, slabs
 from keras_lms.offload.tensorflow.devices import on_device as _on_device
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments, given_moments
+from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, RecomputedWindows
 from keras_lms.offload.tensorflow.record import HOST_STAGE_SUFFIX, SWAP_IN_NAME, host_op
 
 
-class SlabCalls:
+class SlabCalls(RecomputedWindows):
     """Slab-wise forward and backward of a ``CallRecord`` whose ``slabs`` is set (a mixin of ``StepContext``:
     it reads the context's ``host``, ``host_copies`` and ``produced_at``)."""
 
@@ -64,22 +65,26 @@ class SlabCalls:
         return self._host_window(host, a, b, [trigger, gate], record)
 
     def _chain_window(self, record, a, b, gate, trigger):
-        """Rows [a, b) of a fused chain's activation output (slab_chains): the window of the BatchNorm input's
-        host copy, sent alone as any window, then normalised with the forward's batch statistics and activated
-        on the device, by the layers' own calls. The BatchNorm input's rows are kept for the chain's further
-        gradients (``_chain_gradients``)."""
+        """Rows [a, b) of a fused chain's activation output (slab_chains), ``_chain_input_window``; the
+        BatchNorm input's rows are kept for the chain's further gradients (``_chain_gradients``)."""
+        c, activated = self._chain_input_window(record, a, b, [trigger, gate], record, "bwd")
+        self.chain_windows[(record.index, a, b)] = (c, activated)
+        return activated
+
+    def _chain_input_window(self, record, a, b, gates, reader, kind):
+        """(BatchNorm input rows, activation output rows) [a, b) of ``record``'s fused chain: the window of the
+        BatchNorm input's host copy (or its recomputed window), sent alone as any window, then normalised with
+        the forward's batch statistics and activated on ``reader``'s device, by the layers' own calls."""
         source, between = record.chain
         between = between or record  # BatchNorm -> activation: this call's own output
-        c = self._host_window(source.hosts[0], a, b, [trigger, gate], record)
+        c = self._host_window(source.hosts[0], a, b, gates, reader, kind)
         mean, variance, _ = source.moments[0]
-        with _on_device(record.compute_device):
+        with _on_device(reader.compute_device):
             outputs, _, _ = self._slab_call(source, [c], source.trainable, lambda x: (mean, variance))
             args, kwargs = common.rebuild(between.template, between.positions, [tf.nest.flatten(outputs)[0]])
             activated, _, _ = adapter.run_stateless(between.unit, between.original, between.trainable,
                                                     between.snapshot, args, kwargs, between.autocast)
-        activated = tf.nest.flatten(activated)[0]
-        self.chain_windows[(record.index, a, b)] = (c, activated)
-        return activated
+        return c, tf.nest.flatten(activated)[0]
 
     def _chain_gradients(self, record):
         """``on_piece`` for a fused chain's convolution (slabs.backward): per slab, the activation's input
@@ -122,6 +127,10 @@ class SlabCalls:
         return on_piece, finish
 
     def _host_window(self, host, a, b, gates, record, kind="bwd"):
+        """Rows [a, b) of a host copy on ``record``'s device, cut on the host after ``gates`` (or recomputed,
+        for a ``RecomputedCopy``)."""
+        if isinstance(host, RecomputedCopy):
+            return self._recomputed_window(host, a, b, gates, record, kind)
         name = f"{SWAP_IN_NAME}_{record.index}_{kind}_rows{a}"
         with tf.device(self.host), slabs.gated(gates):
             staged = host_op(slabs.rows(host, a, b), name=f"{name}_{HOST_STAGE_SUFFIX}")

@@ -53,7 +53,8 @@ def _producers(calls) -> dict:
 
 
 def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabTraffic:
-    """The host copies slab call ``i`` reads and the bytes its forward and backward bring back."""
+    """The host copies slab call ``i`` reads and the bytes its forward and backward bring back; ``reads`` lists
+    them per tensor (rows and windows), for the traffic model to expand where a tensor is recomputed."""
     unit = calls[i].unit
     if layer_facts.standalone_activation(unit) is not None and not getattr(unit, "trainable_variables", None):
         return SlabTraffic((), 0, 0)  # its backward reads windows of its output's copy (counted by the caller)
@@ -61,13 +62,15 @@ def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabT
     offload = list(offloaded_row) * len(tensors) if concatenated else list(offloaded_row)
     copied = tuple((k, s) for (k, s, _), off in zip(tensors, offload) if off)
     passes = 2 if plan.moments else 1
-    backward = sum(s for _, s in copied) * backward_row_factor(plan) * passes
-    forward = 0.0
+    backward_rows = _rows(plan, plan.backward_window)
+    reads = [(k, s, backward_rows * passes, plan.count * passes, "bwd") for k, s in copied]
     if concatenated:
         newest = max(p for _, _, p in tensors)
-        older = sum(s for (_, s, p), off in zip(tensors, offload) if off and p != newest)
-        forward = older * forward_row_factor(plan)
-    return SlabTraffic(copied, int(forward), int(backward), passes)
+        reads += [(k, s, _rows(plan, plan.forward_window), plan.count, "fwd")
+                  for (k, s, p), off in zip(tensors, offload) if off and p != newest]
+    forward = sum(s * rows / plan.length for _, s, rows, _, kind in reads if kind == "fwd")
+    backward = sum(s * rows / plan.length for _, s, rows, _, kind in reads if kind == "bwd")
+    return SlabTraffic(copied, int(forward), int(backward), passes, tuple(reads), plan.length)
 
 
 def slab_flop_factors(unit, plan) -> tuple:

@@ -3,6 +3,8 @@ every offloaded call in it (the mechanism: the package docstring, ``keras_lms.of
 
 from __future__ import annotations
 
+import typing
+
 import keras
 import tensorflow as tf
 
@@ -12,6 +14,7 @@ from keras_lms.offload.tensorflow import output_gradients, slabs
 from keras_lms.offload.tensorflow.devices import on_device as _on_device
 from keras_lms.offload.tensorflow.devices import validate_host_device
 from keras_lms.offload.tensorflow.recompute_scopes import capture_moments, reuse_moments, without_activation
+from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, usable_producer
 from keras_lms.offload.tensorflow.record import (
     GRAD_ARRIVAL_NAME,
     HOST_STAGE_SUFFIX,
@@ -23,6 +26,13 @@ from keras_lms.offload.tensorflow.record import (
 from keras_lms.offload.tensorflow.slab_calls import SlabCalls
 from keras_lms.offload.tensorflow.tracing import TENSOR_FACTS
 from keras_lms.planning.plan import tensor_bytes
+
+
+class _Reader(typing.NamedTuple):
+    """Who reads a recomputed copy whole (its call index, for op names, and its compute device)."""
+
+    index: int
+    compute_device: str | None
 
 
 class StepContext(SlabCalls, common.InterceptingContext):
@@ -40,6 +50,9 @@ class StepContext(SlabCalls, common.InterceptingContext):
         self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
         self.produced_at = {}  # tensor ref -> index of the call that produced it (graph mode)
         self.chain_windows = {}  # (call index, a, b) -> a fused chain's windows, for its further gradients
+        # calls whose outputs the plan recomputes in windows instead of copying (recomputed_copies)
+        self.recomputed_producers = {entry.index for entry in plan if entry.recomputed_output}
+        self.output_records = {}  # ref of an offloaded call's (first) output -> its CallRecord
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -103,6 +116,10 @@ class StepContext(SlabCalls, common.InterceptingContext):
                 return tf.identity(tensor)
         key = tensor.ref()
         host = self.host_copies.get(key)
+        if host is None and self.recomputed_producers:
+            producer = self.output_records.get(key)
+            if producer is not None and producer.index in self.recomputed_producers and usable_producer(producer):
+                host = self.host_copies[key] = RecomputedCopy(producer)
         if host is None:
             with tf.device(self.host):
                 # Not tf.identity: grappler's dependency optimiser bypasses a host Identity between device ops
@@ -176,6 +193,8 @@ class StepContext(SlabCalls, common.InterceptingContext):
                 if new is not old:
                     var.assign(new)
         record.output_key = None if self.eager else flat_results[0].ref()
+        if record.output_key is not None:
+            self.output_records[record.output_key] = record
         self._note_outputs(unit, tensors, outputs)
         return outputs
 
@@ -214,6 +233,8 @@ class StepContext(SlabCalls, common.InterceptingContext):
         if self.eager:
             with tf.device(device):
                 return tf.identity(host)
+        if isinstance(host, RecomputedCopy):  # a reader the plan did not expect to read windows: all rows
+            return self._whole_recomputed(host, [trigger], _Reader(index, device))
         if trigger is None:
             staged = host
         else:
@@ -315,5 +336,5 @@ class StepContext(SlabCalls, common.InterceptingContext):
             # holds it, or when this call is kept (as the plain model's gradient would read it there).
             on_device = record.output_key in self.device_held or record.kept_call
             return record.output_key.deref() if on_device else None
-        y = self.swap_ins.get(host.ref())
+        y = None if isinstance(host, RecomputedCopy) else self.swap_ins.get(host.ref())
         return y if y is not None else self.swap_in(host, trigger, record.compute_device, record.index)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_lms.offload.tensorflow import slab_chains, slab_costs
+from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.memory_model import variable_bytes
@@ -175,6 +175,11 @@ class TensorFlowFacts(BackendFacts):
 
     def fused_slab_chains(self, calls, offloaded, slabs: dict) -> dict:
         return slab_chains.fused_chains(calls, offloaded, slabs, self)
+
+    def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
+        return recompute_candidates.recompute_sources(
+            calls, offloaded, slabs, chains, concatenation_parts(calls, batch_size),
+            elided_concatenations(calls, slabs, batch_size), self, batch_size)
 
 
 FACTS = TensorFlowFacts()

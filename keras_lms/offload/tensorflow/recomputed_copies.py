@@ -1,0 +1,76 @@
+"""Tensors recomputed instead of copied (``planning.recompute``): the TensorFlow step context's side.
+
+When the plan recomputes call ``p``'s output, the consumers' ``swap_out`` makes no host copy: it hands out a
+``RecomputedCopy`` of ``p``'s record instead, which every reader of host windows accepts in place of a host
+tensor (``SlabCalls._host_window``). Rows ``[a, b)`` are then ``p`` run again, on the device, on rows
+``[a - h, b + h)`` of its own inputs (cut from their host copies on the host, gated like any window, or
+recomputed the same way, recursively, or through a fused chain), and cropped: exactly what ``p``'s slab forward
+computed for those rows, with the forward's batch statistics and the snapshot of the weights, so Dropout masks
+(never recomputed here: Dropout is not local) and BatchNorm statistics are the forward's own. A reader that
+needs the whole tensor (a call the plan did not expect to compute in slabs) gets all rows recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from keras_lms.offload.tensorflow import slabs
+from keras_lms.offload.tensorflow.devices import on_device
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputedCopy:
+    """Stands in for the host copy of ``producer``'s (a ``CallRecord``) output: its windows are recomputed."""
+
+    producer: object
+
+    @property
+    def length(self) -> int:
+        return self.producer.slabs.length
+
+
+def usable_producer(record) -> bool:
+    """Whether a record's output can be recomputed in windows (what planning assumed; else it is copied)."""
+    plan = record.slabs if record is not None else None
+    if plan is None or plan.stride != 1 or record.n_outputs != 1:
+        return False
+    if plan.moments and (len(record.moments) != 1 or record.moment_count is None):
+        return False
+    if record.chain is not None and record.chain[1] is None:
+        return False
+    return all(host is not None or kept is not None for host, kept in zip(record.hosts, record.kept)) or (
+        record.chain is not None)
+
+
+class RecomputedWindows:
+    """The windows of a ``RecomputedCopy`` (a mixin of ``StepContext``, next to ``SlabCalls``)."""
+
+    def _recomputed_window(self, copy: RecomputedCopy, a: int, b: int, gates, reader, kind: str):
+        """Rows [a, b) of the producer's output, recomputed on ``reader``'s device from its inputs' windows."""
+        producer = copy.producer
+        plan = producer.slabs
+        lo, hi = max(0, a - plan.halo), min(plan.length, b + plan.halo)
+        if producer.chain is not None:
+            windows = [self._chain_input_window(producer, lo, hi, gates, reader, kind)[1]]
+        else:
+            windows = []
+            for host, kept in zip(producer.hosts, producer.kept):
+                if host is not None:
+                    windows.append(self._host_window(host, lo, hi, gates, reader, kind))
+                else:
+                    with on_device(reader.compute_device), slabs.gated(gates):
+                        windows.append(slabs.rows(kept, lo, hi))
+        moments = None
+        if plan.moments:
+            mean, variance, _ = producer.moments[0]
+            moments = lambda x: (mean, variance)  # noqa: E731
+        with on_device(reader.compute_device):
+            outputs, _, _ = self._slab_call(producer, windows, producer.trainable, moments)
+            y = tf.nest.flatten(outputs)[0]
+            return slabs.rows(y, a - lo, b - lo) if (lo, hi) != (a, b) else y
+
+    def _whole_recomputed(self, copy: RecomputedCopy, gates, reader):
+        """The whole recomputed tensor (a reader that does not read windows)."""
+        return self._recomputed_window(copy, 0, copy.length, gates, reader, "whole")

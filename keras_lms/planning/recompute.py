@@ -1,0 +1,153 @@
+"""Recomputed tensors: a tensor that is never copied to host, its windows recomputed from its producer's inputs
+wherever a backward (or a slab forward) would have read them from its host copy.
+
+Why: on a PCIe GPU copying a tensor back costs far more than computing it again. A 16 -> 16 channel 3x3x3
+convolution spends about 216 FLOPs per output byte in float32: 2.3 ms per GiB at 100 TFLOP/s, against 31 ms per
+GiB back over a 35 GB/s link. Normalisation and activations cost microseconds per GiB. So the cheapest place to
+keep most of a 3D U-Net's level-0 activations is nowhere: a few host copies (the input, a convolution's input)
+and a chain of layer calls that recomputes the rest, window by window, when it is read.
+
+A back end that computes calls in windows (TensorFlow's slabs) describes, per tensor it can recompute, how: a
+``RecomputeSource`` (the producer's inputs, its halo along the sliced axis, its forward work per row). This
+module is back-end free: ``expand_read`` turns a read of ``rows`` rows in ``windows`` windows of a tensor into
+reads of the host copies at the leaves and the work of the chain in between, which the traffic and step-time
+models add up. The producer's halo widens each window on the way down (a 3x3x3 convolution needs one more row
+on each side); the chain stops at a tensor that has a host copy.
+
+The planner (``choose_recomputed``) decides which tensors to recompute from the predicted step time on the
+device profile; see its docstring for the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeSource:
+    """How a tensor's windows are recomputed: call ``producer`` run on windows of its ``inputs``.
+
+    Attributes:
+        key: the tensor (its trace key).
+        producer: index of the call that produces it.
+        inputs: ``(key, bytes)`` of the producer's inputs (a concatenation's parts for a slab reader of one).
+        length: rows of the tensor (and of its inputs) along the sliced axis.
+        halo: extra rows the producer needs on each side of a window of its output.
+        flops_per_row / bytes_per_row: the producer's forward kernel FLOPs and memory-bound bytes per output row.
+        chosen: False for tensors the back end recomputes by itself (fused chains), whatever the planner says.
+    """
+
+    key: object
+    producer: int
+    inputs: tuple
+    length: int
+    halo: int
+    flops_per_row: float
+    bytes_per_row: float
+    chosen: bool = True
+
+
+@dataclasses.dataclass
+class ExpandedRead:
+    """A read expanded to host copies: bytes per leaf key and the recompute work on the way."""
+
+    leaves: dict = dataclasses.field(default_factory=dict)  # key -> (tensor bytes, bytes read)
+    flops: float = 0.0
+    elementwise_bytes: float = 0.0
+
+    def add(self, other: "ExpandedRead") -> None:
+        for key, (size, read) in other.leaves.items():
+            total = self.leaves.get(key, (size, 0.0))[1]
+            self.leaves[key] = (size, total + read)
+        self.flops += other.flops
+        self.elementwise_bytes += other.elementwise_bytes
+
+    @property
+    def bytes(self) -> float:
+        return sum(read for _, read in self.leaves.values())
+
+
+def expand_read(key, size: int, rows: float, windows: int, length: int, sources: dict) -> ExpandedRead:
+    """A read of ``rows`` rows, in ``windows`` windows, of tensor ``key`` (``size`` bytes, ``length`` rows):
+    itself when it has a host copy (``key`` not in ``sources``), else the reads of its producer's inputs over
+    windows widened by the producer's halo, recursively, plus the producer's forward on those rows."""
+    out = ExpandedRead()
+    source = sources.get(key)
+    if source is None:
+        out.leaves[key] = (size, size * rows / max(length, 1))
+        return out
+    widened = min(rows + 2 * source.halo * windows, source.length * windows)
+    out.flops += source.flops_per_row * widened
+    out.elementwise_bytes += source.bytes_per_row * widened
+    for input_key, input_size in source.inputs:
+        out.add(expand_read(input_key, input_size, widened, windows, source.length, sources))
+    return out
+
+
+def recomputed_producers(entries) -> frozenset:
+    """The calls whose output the plan recomputes instead of copying (``PlanEntry.recomputed_output``)."""
+    return frozenset(e.index for e in entries if getattr(e, "recomputed_output", False))
+
+
+# How many producers up a chain the planner tries to recompute together: a BatchNormalization output that only
+# an activation reads is never copied, so recomputing it alone saves nothing, while recomputing it with the
+# activation after it removes the activation's output copy.
+CHAIN_DEPTH = 3
+
+
+def choose_recomputed(candidates: dict, step_seconds, fits=None) -> frozenset:
+    """The producers whose outputs to recompute, chosen to shorten ``step_seconds(recomputed)``.
+
+    The search: greedy in forward order. Each candidate is tried alone and together with its not yet chosen
+    candidate ancestors (the producers of its inputs, and so on, up to ``CHAIN_DEPTH`` calls); the group that
+    shortens the predicted step most is kept, if any. Forward order, because a tensor's recompute cost depends
+    only on what is recomputed above it (its chain stops at the first host copy), so each decision is made
+    knowing the cost of its own chain. The groups cover the one non-local effect that matters: an intermediate
+    that nobody copies (a BatchNormalization output only an activation reads) pays only together with its
+    reader. Both corners (recompute nothing, recompute every candidate) are evaluated too, and the fastest of
+    the three is returned. An exact search over a chain with skips (a dynamic program over segments, an ILP)
+    would cost more planning time than ``wrap()`` can spend, for a cost function (the overlapped step-time
+    model) that is not additive over tensors anyway.
+
+    Args:
+        candidates: producer index -> ``RecomputeSource`` (only ``chosen`` ones are candidates).
+        step_seconds: ``recomputed (frozenset of producer indices) -> predicted step seconds``.
+        fits: ``recomputed -> bool`` (the memory model); None: every choice fits.
+
+    Returns:
+        The chosen producer indices.
+    """
+    fits = fits or (lambda recomputed: True)
+    order = sorted(p for p, source in candidates.items() if source.chosen)
+    producer_of = {candidates[p].key: p for p in order}
+    parents = {p: [producer_of[k] for k, _ in candidates[p].inputs if k in producer_of] for p in order}
+    chosen = frozenset()
+    best = step_seconds(chosen)
+    for p in order:
+        if p in chosen:
+            continue
+        group, frontier, options = [p], list(parents[p]), [frozenset([p])]
+        while frontier and len(group) < CHAIN_DEPTH:
+            q = frontier.pop(0)
+            if q in chosen or q in group:
+                continue
+            group.append(q)
+            options.append(frozenset(group))
+            frontier.extend(parents[q])
+        taken = None
+        for option in options:
+            trial = chosen | option
+            if fits(trial):
+                seconds = step_seconds(trial)
+                if seconds < best:
+                    best, taken = seconds, option
+        if taken is not None:
+            chosen = chosen | taken
+    every = frozenset(order)
+    if every != chosen and every and fits(every) and step_seconds(every) < best:
+        log.info("keras-lms: recomputing every candidate beats the greedy choice.")
+        chosen = every
+    return chosen

@@ -1,0 +1,77 @@
+"""Tensors recomputed instead of copied (keras_lms/planning/recompute.py, offload/tensorflow/recomputed_copies.py):
+with a device profile on which the host link is slower than the device's compute, the planner recomputes
+windows of a 3D U-Net's level-0 tensors from host copies further up. The wrapped step must match the plain
+model as slabs do, in float32 and exactly (up to rounding) in float64, and the recompute must have run. The
+bytes it saves are measured in the executed graph by tests/offload/tensorflow/test_link_traffic.py."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_lms
+from keras_lms.offload.tensorflow import recomputed_copies
+from tests import models
+from tests.models import images
+from tests.offload.tensorflow.test_slabs import SLAB, SLAB_TOL, bn_unet2d, unet3d
+from tests.oracle import compare_step
+
+pytestmark = pytest.mark.tensorflow(reason="slabs are the TensorFlow back end's mechanism")
+
+CASES = {
+    "unet2d_conv_bn_relu": (bn_unet2d, lambda: images(size=32, channels=1, rng=np.random.default_rng(0))),
+    "unet3d_bn_dropout": (unet3d, lambda: models.near_ties((2, 16, 16, 16, 1), rng=np.random.default_rng(0))),
+}
+
+
+@pytest.fixture
+def recompute_spy(monkeypatch):
+    """Counts the windows recomputed from a producer's inputs (the mechanism ran, not a host copy)."""
+    seen = {"windows": 0}
+    original = recomputed_copies.RecomputedWindows._recomputed_window
+
+    def spy(self, *args, **kwargs):
+        seen["windows"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(recomputed_copies.RecomputedWindows, "_recomputed_window", spy)
+    return seen
+
+
+def wrap(model, profile="h100-pcie5"):
+    return keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB, device_profile=profile)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_recomputed_tensors_match_the_plain_model(name, recompute_spy):
+    build, data = CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    x = data()
+    wrapped = wrap(model)
+    plan = wrapped.plan(batch_size=len(x))
+    producers = [e for e in plan if e.recomputed_output]
+    readers = [e for e in plan if e.recomputed_inputs]
+    assert producers and readers, plan
+    assert all(e.decision == "recompute" and "recomputed in windows" in e.reason for e in readers)
+    result = compare_step(model, wrapped, x)
+    assert recompute_spy["windows"] >= len(producers)  # ran: windows were recomputed, not cut from host copies
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+    assert result["loss"] <= 1e-6
+
+
+def test_control_no_profile_recomputes_nothing(recompute_spy):
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
+    assert not any(e.recomputed_output or e.recomputed_inputs for e in wrapped.plan(batch_size=4))
+    compare_step(model, wrapped, images(size=32, channels=1, rng=np.random.default_rng(0)))
+    assert recompute_spy["windows"] == 0
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+def test_recomputed_tensors_are_exact_in_float64(dtype_policy, recompute_spy):
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    result = compare_step(model, wrap(model), np.random.default_rng(3).random((4, 32, 32, 1)))
+    assert recompute_spy["windows"] > 0
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
