@@ -3,6 +3,8 @@ the host and the compute device in the graph grappler optimises for a virtual GP
 
     python benchmarks/link_traffic.py            # 2D/3D U-Nets, forced offload, whole and in slabs (~2 min)
     python benchmarks/link_traffic.py --json out.json
+    python benchmarks/link_traffic.py --edge 384                           # the max-cube U-Net, ~10 min
+    python benchmarks/link_traffic.py --edge 448 --dtype-policy mixed_float16
 
 Each case is simulated plain and wrapped (``keras_lms/testing/simulated_gpu.py``: the step is traced, optimised
 by grappler's default pipeline for a virtual GPU + host and replayed by its virtual scheduler). The measured
@@ -52,7 +54,22 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains", unet3d, 1, slabs3d, True),
             ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED, True),
             ("2D U-Net 2x64x64, slabs of 32 KiB, unfused", unet2d, 2, slabs2d, False),
-            ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True)]
+            ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True),
+            # the time-aware plan on a PCIe profile: level-0 tensors recomputed in windows (planning.recompute)
+            ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5)", unet3d, 1,
+             {**slabs3d, "device_profile": "h100-pcie5"}, True),
+            ("2D U-Net 2x64x64, slabs of 32 KiB, recomputed (h100-pcie5)", unet2d, 2,
+             {**slabs2d, "device_profile": "h100-pcie5"}, True)]
+
+
+def large_cases(edge: int, profile: str) -> list:
+    """The max-cube benchmark's 3D U-Net (4 levels, 16 filters) at ``edge``^3, planned for 16 GiB as wrap plans
+    it: today's plan (no profile) and the time-aware one on ``profile``."""
+    cube = lambda: unet((edge, edge, edge, 1), 16)  # noqa: E731
+    budget = dict(host_device=HOST_STAND_IN, device_budget="16GiB")
+    return [(f"3D U-Net 1x{edge}^3, 16 GiB, no profile", cube, 1, budget, True),
+            (f"3D U-Net 1x{edge}^3, 16 GiB, recomputed ({profile})", cube, 1, {**budget, "device_profile": profile},
+             True)]
 
 
 def measure(label, builder, batch, settings, fused) -> dict:
@@ -75,12 +92,13 @@ def measure(label, builder, batch, settings, fused) -> dict:
                 report_out=rep.totals["device_to_host_bytes_per_step"],
                 report_in=rep.totals["host_to_device_bytes_per_step"],
                 old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused,
-                fused_chains=sum(r["decision"] == "recompute" for r in rep.rows))
+                fused_chains=sum(r["decision"] == "recompute" for r in rep.rows),
+                recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)))
 
 
 def table(rows) -> Table:
     t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
-    for column in ("case", "slab calls", "fused chains", "measured out", "report out", "measured in", "report in",
+    for column in ("case", "slab calls", "recompute decisions", "measured out", "report out", "measured in", "report in",
                    "report error", "old count (in+out)", "old count error"):
         t.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
@@ -96,10 +114,14 @@ def table(rows) -> Table:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON here")
+    parser.add_argument("--edge", type=int, help="instead: the max-cube 3D U-Net at EDGE^3 with "
+                        "device_budget=16GiB, without and with --profile (a few minutes per plan)")
+    parser.add_argument("--dtype-policy", default="float32", choices=("float32", "mixed_float16"))
+    parser.add_argument("--profile", default="h100-pcie5", help="device profile of the time-aware plan")
     args = parser.parse_args(argv)
-    keras.mixed_precision.set_global_policy("float32")
+    keras.mixed_precision.set_global_policy(args.dtype_policy if args.edge else "float32")
     with simulated_host_ram():
-        rows = [measure(*case) for case in cases()]
+        rows = [measure(*case) for case in (large_cases(args.edge, args.profile) if args.edge else cases())]
     Console(width=200).print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

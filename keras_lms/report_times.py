@@ -8,15 +8,23 @@ from keras_lms.planning.step_time import recomputes_forward
 
 
 def plan_times(step, profile) -> dict:
-    """Predicted ``StepTime`` of the plain step, the plan and the offload-only plan on ``profile``.
+    """Predicted ``StepTime`` of the plain step, the plan and its corners on ``profile``.
 
     The plain step has infinite memory (nothing copied, nothing recomputed): the reference every plan's time is
-    set against. Recompute-only (checkpointing without the host link) is not listed: keras-lms' mechanism
-    recomputes each offloaded call from its inputs' host copies, so no plan of it runs without the link.
+    set against. The corners of the planner's search: "offload-only" (every eligible tensor copied, nothing
+    recomputed: keras-lms before the time-aware plan) and, where the back end can recompute tensors in windows,
+    "recompute-all" (the plan's offload decisions with every candidate tensor recomputed instead of copied).
+    A recompute-only plan without the host link at all is not listed: the recompute chains start from host
+    copies (the input, a convolution's input), and the device-resident checkpoints a link-free plan would need
+    are what does not fit in the first place.
     """
     none = [[False] * len(row) for row in step.offloaded]
-    return {"plain": step.step_time(profile, none), "as planned": step.step_time(profile),
-            "offload-only": step.step_time(profile, step.offload_only())}
+    times = {"plain": step.step_time(profile, none), "as planned": step.step_time(profile),
+             "offload-only": step.step_time(profile, step.offload_only())}
+    candidates = step.recompute_candidates()
+    if candidates:
+        times["recompute-all"] = step.step_time(profile, recomputed=candidates)
+    return times
 
 
 def row_decision(step, index: int) -> str:

@@ -81,10 +81,21 @@ class StepPlan:
                                 self.recomputed)
         return link_traffic(self.calls, offloaded, self.facts, self.batch_size, self.slab_bytes)
 
-    def step_time(self, profile, offloaded=None) -> StepTime:
-        """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` with
-        nothing recomputed (all False: the plain step)."""
-        recomputed = self.recomputed if offloaded is None else frozenset()
+    def recompute_candidates(self) -> frozenset:
+        """The calls whose outputs the back end could recompute in windows with the plan's offload decisions
+        (``BackendFacts.recompute_sources``): the planner chooses among them."""
+        slabs = self.facts.slab_plans(self.calls, self.offloaded, self.batch_size, self.slab_bytes)
+        if not slabs:
+            return frozenset()
+        chains = self.facts.fused_slab_chains(self.calls, self.offloaded, slabs)
+        sources = self.facts.recompute_sources(self.calls, self.offloaded, slabs, chains, self.batch_size)
+        return frozenset(s.producer for s in sources.values() if s.chosen)
+
+    def step_time(self, profile, offloaded=None, recomputed=None) -> StepTime:
+        """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` (all
+        False: the plain step); with the plan's recomputed tensors, or ``recomputed`` (none for ``offloaded``)."""
+        if recomputed is None:
+            recomputed = self.recomputed if offloaded is None else frozenset()
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
                                  profile, self.batch_size, self.config.prefetch, self.slab_bytes,
                                  self.config.lean_normalization, recomputed)
