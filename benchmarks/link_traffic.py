@@ -98,8 +98,8 @@ def measure(label, builder, batch, settings, fused) -> dict:
 
 def table(rows) -> Table:
     t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
-    for column in ("case", "slab calls", "recompute decisions", "measured out", "report out", "measured in", "report in",
-                   "report error", "old count (in+out)", "old count error"):
+    for column in ("case", "slab calls", "recompute decisions", "measured out", "report out", "measured in",
+                   "report in", "report error", "old count (in+out)", "old count error"):
         t.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
         measured = r["measured_out"] + r["measured_in"]

@@ -132,16 +132,18 @@ def simulated_host_ram():
         yield
 
 
-def wrap_variants(forced: bool, quick: bool = False) -> dict:
-    """``wrap`` settings per variant: "wrapped" = defaults, "forced" = offload every eligible tensor.
+def wrap_variants(forced: bool, quick: bool = False, device_profile=None) -> dict:
+    """``wrap`` settings per variant: "wrapped" = defaults, "forced" = offload every eligible tensor; with
+    ``device_profile`` (``--device-profile``) the time-aware plan on that profile (tensors recomputed).
 
     ``--quick`` runs only "forced": its small models have no tensor as large as the default ``min_bytes``.
     """
     variants = {}
+    extra = {"device_profile": device_profile} if device_profile else {}
     if not quick:
-        variants["wrapped"] = dict(host_device=HOST_STAND_IN)
+        variants["wrapped"] = dict(host_device=HOST_STAND_IN, **extra)
     if forced or quick:
-        variants["forced"] = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
+        variants["forced"] = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0, **extra)
     return variants
 
 
@@ -267,11 +269,11 @@ def largest_cube(batch: int, wrap_kwargs, log, start: int = 64) -> tuple:
     return low, peaks
 
 
-def max_cube(batch: int, forced: bool, log, runs=None, start: int = 64) -> list:
+def max_cube(batch: int, forced: bool, log, runs=None, start: int = 64, device_profile=None) -> list:
     """Largest cube per run (plain, wrapped[, forced]; ``runs`` selects some) as dicts: run, edge, peak bytes,
     voxels. ``start`` is the first edge tried (a multiple of CUBE_STEP)."""
     rows = []
-    for run, kwargs in {"plain": None, **wrap_variants(forced)}.items():
+    for run, kwargs in {"plain": None, **wrap_variants(forced, device_profile=device_profile)}.items():
         if runs and run not in runs:
             continue
         log(f"{run}:")
@@ -297,7 +299,8 @@ def max_cube_table(rows, batch: int) -> Table:
 def run(args, console, log) -> dict:
     """The selected mode; returns its results for --json."""
     if args.max_cube:
-        rows = max_cube(args.batch, args.forced, log, args.runs.split(",") if args.runs else None, args.start)
+        rows = max_cube(args.batch, args.forced, log, args.runs.split(",") if args.runs else None, args.start,
+                        args.device_profile)
         console.print(max_cube_table(rows, args.batch))
         return {"max_cube": [{**r, "tried": {str(k): v for k, v in r["tried"].items()}} for r in rows],
                 "batch": args.batch, "gpu_memory": GPU_MEMORY, "dtype_policy": args.dtype_policy}
@@ -331,6 +334,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype-policy", default="float32",
                         help="Keras dtype policy of every model, plain and wrapped, e.g. mixed_float16 (default "
                              "float32); the loss is computed in float32 either way")
+    parser.add_argument("--device-profile", default=None,
+                        help="--max-cube: wrap(device_profile=...) for the wrapped runs (the time-aware plan)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype_policy)

@@ -114,7 +114,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
             slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
             # (a fused chain's convolution reads its input's windows through the chain: ``sources``)
             keep = (slab.passes - 1) / slab.passes if i in fused_sources else 1.0
-            for key, size in slab.copied:
+            for key, _size in slab.copied:
                 first_offload.setdefault(key, i)
             for key, size, rows, windows, kind in slab.reads:
                 if kind == "bwd" and keep != 1.0:  # its first pass runs in the chain's convolution
