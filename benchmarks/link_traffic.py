@@ -93,13 +93,16 @@ def measure(label, builder, batch, settings, fused) -> dict:
                 report_in=rep.totals["host_to_device_bytes_per_step"],
                 old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused,
                 fused_chains=sum(r["decision"] == "recompute" for r in rep.rows),
-                recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)))
+                recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)),
+                peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],
+                recompute_flops=rep.times["as planned"].recompute_flops if rep.times else None)
 
 
 def table(rows) -> Table:
     t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
     for column in ("case", "slab calls", "recompute decisions", "measured out", "report out", "measured in",
-                   "report in", "report error", "old count (in+out)", "old count error"):
+                   "report in", "report error", "old count (in+out)", "old count error", "simulated peak MiB",
+                   "report peak MiB"):
         t.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
         measured = r["measured_out"] + r["measured_in"]
@@ -107,7 +110,8 @@ def table(rows) -> Table:
         t.add_row(r["case"], str(r["slabs"]), str(r["fused_chains"]), f"{r['measured_out'] / MIB:.2f}",
                   f"{r['report_out'] / MIB:.2f}",
                   f"{r['measured_in'] / MIB:.2f}", f"{r['report_in'] / MIB:.2f}", f"{error:+.1%}",
-                  f"{r['old_count'] / MIB:.2f}", f"{r['old_count'] / measured - 1:+.1%}")
+                  f"{r['old_count'] / MIB:.2f}", f"{r['old_count'] / measured - 1:+.1%}",
+                  f"{r['peak'] / MIB:,.0f}", f"{r['report_peak'] / MIB:,.0f}")
     return t
 
 

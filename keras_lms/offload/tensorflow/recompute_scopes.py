@@ -119,7 +119,8 @@ class TotalMoments:
     def __init__(self, mean, variance, d_mean, d_variance, count):
         self.mean, self.variance, self.count = mean, variance, count
         self.d_mean, self.d_variance = d_mean, d_variance
-        self.gate = d_mean  # the second pass starts once the first has finished
+        self.gate = [d_mean, d_variance]  # the second pass starts once the first has finished (d_mean alone
+        # reads only the upstream gradient and is ready long before d_variance)
 
     def __call__(self, x):
         mean, variance, d_mean, d_variance, count = self.mean, self.variance, self.d_mean, self.d_variance, self.count

@@ -116,7 +116,7 @@ class SlabCalls(RecomputedWindows):
             variance_parts.append(d_variance)
             # the next windows wait for this slab's first-pass gradient (it reads the window and the piece), so
             # the scheduler cannot keep windows alive for a late first pass
-            return [d_mean, d_normalized]
+            return [d_mean, d_variance, d_normalized]
 
         def finish():
             if between is not None:

@@ -48,12 +48,18 @@ def slab_bounds(length: int, count: int, align: int = 1) -> tuple:
     return tuple((a, b) for a, b in zip(edges, edges[1:]) if b > a)
 
 
-def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int) -> SlabPlan | None:
+def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int, output_bytes: int = 0) -> SlabPlan | None:
     """The slab plan of a call of ``unit`` on inputs of ``shapes`` (``nbytes`` in all), or None for whole.
 
     Slabs are used when ``slab_bytes`` > 0, the inputs are larger than it, every input is a channels-last
     tensor of rank >= 3 with the same static length along AXIS, and the layer is local (``slab_halo``).
+    A convolution is also cut when its output (``output_bytes``) is larger than ``slab_bytes``, and into as
+    many slabs as the larger side needs: a first convolution that widens a one-channel volume to 16 channels
+    has a small input and a large output, and computed in slabs its output can be recomputed window by window
+    from that small input's host copy (``recompute_candidates``) instead of being copied 16 times larger.
     """
+    if output_bytes and computes_in_slabs_forward(unit):
+        nbytes = max(nbytes, output_bytes)
     if not slab_bytes or nbytes <= slab_bytes or not shapes:
         return None
     ranks = {len(s) for s in shapes}

@@ -107,8 +107,20 @@ class StepContext(SlabCalls, common.InterceptingContext):
             if plan is not None:
                 return plan, list(parts), offload * len(parts), True
         plan = slabs.plan_slabs(unit, [list(t.shape) for t in tensors], sum(self.tensor_bytes(t) for t in tensors),
-                                slab_bytes)
+                                slab_bytes, self._output_bytes(unit, tensors))
         return plan, tensors, offload, False
+
+    @staticmethod
+    def _output_bytes(unit, tensors) -> int:
+        """Bytes of a single-input convolution's output, from its input's static shape (``plan_slabs`` cuts a
+        convolution by the larger of its input and output, as the planner's ``slab_plans`` does); 0 otherwise."""
+        if len(tensors) != 1 or not slabs.computes_in_slabs_forward(unit):
+            return 0
+        try:
+            shape = unit.compute_output_shape(tuple(tensors[0].shape))
+        except (ValueError, TypeError, NotImplementedError):
+            return 0
+        return tensor_bytes(shape, unit.compute_dtype)
 
     def swap_out(self, tensor):
         if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends

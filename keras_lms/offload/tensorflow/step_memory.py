@@ -59,7 +59,8 @@ def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
             if plan is not None:
                 plans[i] = plan
                 continue
-        plan = plan_slabs(call.unit, shapes, sum(sizes), slab_bytes)
+        outputs = sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes))
+        plan = plan_slabs(call.unit, shapes, sum(sizes), slab_bytes, outputs)
         if plan is not None:
             plans[i] = plan
     return plans

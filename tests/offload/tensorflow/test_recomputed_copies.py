@@ -75,3 +75,32 @@ def test_recomputed_tensors_are_exact_in_float64(dtype_policy, recompute_spy):
     result = compare_step(model, wrap(model), np.random.default_rng(3).random((4, 32, 32, 1)))
     assert recompute_spy["windows"] > 0
     assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+
+
+def test_a_widening_first_convolution_is_recomputed_from_the_small_input(recompute_spy, monkeypatch):
+    """``slab_bytes`` between the one-channel input (16 KiB) and the first convolution's 4-channel output
+    (64 KiB): the convolution is cut by its output, and its output is recomputed from the input's host copy
+    instead of being copied. The wrapped step still matches the plain one. Control: cut by its input alone (as
+    before), the convolution runs whole and its output cannot be recomputed."""
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    x = images(size=32, channels=1, rng=np.random.default_rng(0))
+    first = model.layers[1].name
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="32KiB", device_profile="h100-pcie5")
+    entry = {e.layer: e for e in wrapped.plan(batch_size=len(x))}[first]
+    assert entry.recomputed_output and "slabs" in entry.reason, entry
+    result = compare_step(model, wrapped, x)
+    assert recompute_spy["windows"] > 0
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+
+    from keras_lms.offload.tensorflow import slab_plan
+
+    original = slab_plan.plan_slabs
+    monkeypatch.setattr(slab_plan, "plan_slabs", lambda *args, output_bytes=0: original(*args[:4]))
+    monkeypatch.setattr(recomputed_copies.slabs, "plan_slabs", slab_plan.plan_slabs)
+    from keras_lms.offload.tensorflow import step_memory
+
+    monkeypatch.setattr(step_memory, "plan_slabs", slab_plan.plan_slabs)
+    control = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="32KiB", device_profile="h100-pcie5")
+    entry = {e.layer: e for e in control.plan(batch_size=len(x))}[first]
+    assert not entry.recomputed_output and "slabs" not in entry.reason, entry

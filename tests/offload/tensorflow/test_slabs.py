@@ -251,3 +251,14 @@ def test_plan_slabs_sizes():
     plan = tf_slabs.plan_slabs(pool, [[1, 10, 8, 8, 4]], 4000, 1000)
     assert plan.stride == 2 and all(a % 2 == 0 and b % 2 == 0 for a, b in plan.bounds)
     assert tf_slabs.plan_slabs(pool, [[1, 9, 8, 8, 4]], 4000, 1000) is None  # the pooling drops a row
+
+
+def test_plan_slabs_cuts_a_widening_convolution_by_its_output():
+    """A first convolution (1 -> 16 channels) has a small input and a large output: it is cut by the larger side,
+    so that its output can be recomputed window by window from the small input (recompute_candidates)."""
+    conv = keras.layers.Conv3D(16, 3, padding="same")
+    assert tf_slabs.plan_slabs(conv, [[1, 64, 8, 8, 1]], 1000, 2000) is None  # control: the input alone fits
+    plan = tf_slabs.plan_slabs(conv, [[1, 64, 8, 8, 1]], 1000, 2000, output_bytes=16000)
+    assert plan.count == 8 and plan.halo == 1
+    pool = keras.layers.MaxPooling3D()  # only convolutions compute their forward in slabs: others ignore it
+    assert tf_slabs.plan_slabs(pool, [[1, 64, 8, 8, 1]], 1000, 2000, output_bytes=16000) is None
