@@ -32,6 +32,7 @@ import keras_lms
 from benchmarks.models import build_unet
 from keras_lms.offload.tensorflow import devices as tf_devices
 from keras_lms.offload.tensorflow import record as tf_record
+from keras_lms.offload.tensorflow import slabs as tf_slabs
 from keras_lms.offload.tensorflow import step as tf_step
 from keras_lms.offload.tensorflow.step import StepContext
 from tests import models
@@ -98,6 +99,18 @@ def forward_windows_ungated():
 
 
 @contextlib.contextmanager
+def slices_gated_through_constants():
+    """Negative control for the slab gates: slice as ``x[:, a:b]`` did before 0.3.0, which puts a gate's control
+    input on the slice's bound constants only (grappler merges and ungates those)."""
+    original = tf_slabs.rows
+    tf_slabs.rows = lambda x, a, b: x[:, a:b]
+    try:
+        yield
+    finally:
+        tf_slabs.rows = original
+
+
+@contextlib.contextmanager
 def dependency_optimizer_off():
     tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
     try:
@@ -138,7 +151,21 @@ def counts(model, x, wrapped=None):
         "oversized_back": sorted(src for _, src in step.transfers_back(ACTIVATION_BYTES)
                                  if (step.tensor_info(f"{src}:0") or eg.Tensor("", (), 0)).nbytes > 2 * SLAB_BYTES),
         "slab_windows_back": sum("_rows" in src for _, src in step.transfers_back(ACTIVATION_BYTES)),
+        # slices of an upstream gradient in the backward on the compute device, and those that wait on a control
+        # input of their own (the slab before: slabs.backward's gate), as grappler left them
+        **dict(zip(("backward_gradient_slices", "backward_gradient_slices_gated"), _gradient_slices(step))),
     }
+
+
+def _gradient_slices(step) -> tuple:
+    """(slices, gated slices): StridedSlice nodes of the backward on the compute device that cut a tensor
+    made in the backward (an upstream gradient), and how many of them have a control input themselves."""
+    sliced = [name for name, node in step.nodes.items()
+              if node.op == "StridedSlice" and name in step.backward and step.device[name] == eg.COMPUTE
+              and any(parent in step.backward for tensor, parent in step.parents.get(name, [])[:1]
+                      if tensor is not None)]
+    gated = [name for name in sliced if any(tensor is None for tensor, _ in step.parents.get(name, []))]
+    return len(sliced), len(gated)
 
 
 def run_cases():
@@ -162,6 +189,10 @@ def run_cases():
                 with tf.device(eg.COMPUTE):
                     wrapped = keras_lms.wrap(model, **SLAB_CONFIGS["slabs"])
                 results[f"{name}/slabs_forward_ungated"] = counts(model, x, wrapped)
+            with slices_gated_through_constants():
+                with tf.device(eg.COMPUTE):
+                    wrapped = keras_lms.wrap(model, **SLAB_CONFIGS["slabs"])
+                results[f"{name}/slabs_slices_gated_through_constants"] = counts(model, x, wrapped)
         with old_mechanism():
             with tf.device(eg.COMPUTE):
                 wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)

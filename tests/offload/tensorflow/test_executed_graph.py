@@ -97,3 +97,18 @@ def test_slabs_come_back_in_windows_gated_by_the_backward(cases, model):
     assert len(ungated["forward_windows_without_gate"]) == len(ungated["forward_windows"]) >= 4, ungated
     if model == "unet3d":
         assert slabs["oversized_back"] == [], slabs["oversized_back"]
+
+
+@pytest.mark.parametrize("model", ("unet2d", "unet3d"))
+def test_slab_gradient_windows_wait_for_the_slab_before(cases, model):
+    """slabs.backward cuts slab k's upstream-gradient rows after slab k-1's results exist (a control input on
+    the slice itself, which grappler keeps): measured 116 of 200 (2D) and 108 of 232 (3D) backward slices of a
+    gradient gated in the executed graph (the rest crop pieces and windows that are already ordered by data).
+    Negative control: sliced as ``x[:, a:b]``, the gate sat on the slice's bound constants, which grappler
+    merges and ungates, so (almost) no slice waits: in a 448^3 mixed_float16 U-Net every slab's float32
+    gradient window was then cut at once (simulated peak 20.5 GiB instead of 13.2)."""
+    slabs, control = cases[f"{model}/slabs"], cases[f"{model}/slabs_slices_gated_through_constants"]
+    assert slabs["backward_gradient_slices"] >= 20, slabs
+    assert slabs["backward_gradient_slices_gated"] >= 0.4 * slabs["backward_gradient_slices"], slabs
+    assert control["backward_gradient_slices"] == slabs["backward_gradient_slices"], control
+    assert control["backward_gradient_slices_gated"] == 0, control  # measured: 0 of 200 and 0 of 232
