@@ -20,7 +20,12 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 
 from . import runtime
 from ._hvd import hvd, tf
-from .elastic_callbacks import CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback
+from .elastic_callbacks import (
+    CommitStateCallback,
+    UpdateBatchStateCallback,
+    UpdateEpochStateCallback,
+    _settle_finished_epoch,
+)
 from .elastic_state import KerasState, ObjectState, TensorFlowKerasState
 
 State = _common.State
@@ -85,6 +90,9 @@ def run(func):
 
     @functools.wraps(func)
     def recognising_lost_ranks(state, *args, **kwargs):
+        # A reset after an epoch's last batch, before `state.epoch` moved on: that epoch is finished (Note:
+        # [Resume point] in elastic_callbacks), so the training function already sees the next one.
+        _settle_finished_epoch(state)
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as error:
