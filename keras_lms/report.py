@@ -215,8 +215,11 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
             `LMSConfig()` (the defaults of `wrap`) for a plain model.
         device_profile: a built-in device profile's name (`"h100-pcie5"`, `"h200-pcie5"`, `"gh200"`,
             `"a100-pcie4"`), a profile JSON file (`keras-lms calibrate` writes one) or a
-            `keras_lms.DeviceProfile`: also predict the step's time on that device, plain, as planned and
-            offload-only (`.times`, and `predicted_*_seconds` in `.totals`). Defaults to `None` (bytes only).
+            `keras_lms.DeviceProfile`: also predict the step's time on that device, plain, as planned,
+            offload-only and recompute-all (`.times`, and `predicted_*_seconds` in `.totals`). For a plain model
+            without `config`, the plan is the one `wrap(model, device_profile=...)` makes (what to recompute is
+            chosen for that device); with `config` or a wrapped model, their own plan is timed on the device.
+            Defaults to `None` (bytes only).
 
     Returns:
         A `keras_lms.ActivationReport`: `.rows`, `.totals`, `.to_text()`, `.to_json()`, `.plot(path)`.
@@ -272,6 +275,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
                 f"such as (128, 128, 128, 1); got {input_shape!r}."
             )
         input_shape = tuple(int(d) for d in dims)
+    explicit_settings = config is not None or isinstance(model_or_wrapped, LMSModel)
     if isinstance(model_or_wrapped, LMSModel):
         wrapped = model_or_wrapped
         config = config or wrapped.lms_config
@@ -283,7 +287,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
         config = config or LMSConfig()
     if device_budget is not None:
         config = dataclasses.replace(config, device_budget=parse_bytes(device_budget, "device_budget"))
-    if profile is not None and config.device_profile is None:
+    if profile is not None and config.device_profile is None and not explicit_settings:
         config = dataclasses.replace(config, device_profile=profile)  # plan as wrap(device_profile=) would
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; build it or pass input_shape= to report().")

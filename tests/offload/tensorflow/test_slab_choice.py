@@ -47,8 +47,8 @@ def test_faster_slabs_that_do_not_fit_are_not_chosen():
     chosen = keras_lms.report(big, batch_size=1, device_budget="16GiB", config=keras_lms.LMSConfig(
         device_profile="h100-pcie5"), device_profile="h100-pcie5")
     assert slab_sizes(chosen.rows) == {"128.0 MiB"} and chosen.totals["fits_device_budget"]
-    larger = keras_lms.report(big, batch_size=1, config=keras_lms.LMSConfig(slab_bytes="1GiB"),
-                              device_profile="h100-pcie5")
+    larger = keras_lms.report(big, batch_size=1, config=keras_lms.LMSConfig(
+        slab_bytes="1GiB", device_profile="h100-pcie5"), device_profile="h100-pcie5")
     assert larger.times["as planned"].step_seconds < chosen.times["as planned"].step_seconds
     assert larger.wrapped.budget_bytes > 16 << 30
     keras.backend.clear_session()
