@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from keras_lms.testing.conv_flops import convolution_flops
 from keras_lms.testing.timeline_peak import MemoryPeak, peak_memory
 from keras_lms.testing.traced_step import trace_training_step
 from keras_lms.testing.virtual_cluster import GPU, optimize, schedule, virtual_cluster
@@ -56,6 +57,9 @@ class Simulation:
     nodes_traced: int
     nodes_optimized: int
     seconds: float
+    conv_flops: float = 0.0  # convolution FLOPs the GPU computes in the optimised graph (conv_flops.py)
+    conv_ops: int = 0  # convolution ops counted ...
+    conv_ops_unknown: int = 0  # ... and those whose shapes grappler could not infer (not counted)
 
 
 def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
@@ -72,6 +76,7 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
         optimized = optimize(traced.graph_def, traced.fetch, cluster)
         step_stats, item = schedule(optimized, traced.fetch, cluster)
         gpu = peak_memory(optimized, step_stats, GPU, traced.fetch)
+        conv = convolution_flops(optimized, item, GPU, traced.convolution_shapes)
         grappler_peak = -1
         if graph_memory:
             grappler_peak = int(cluster.DeterminePeakMemoryUsage(item).get(GPU, (-1, []))[0])
@@ -79,4 +84,4 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
         cluster.Shutdown()
     return Simulation(traced.static_bytes + gpu.peak_bytes, traced.static_bytes, gpu, grappler_peak,
                       count_named(traced.graph_def), count_named(optimized), len(traced.graph_def.node),
-                      len(optimized.node), time.perf_counter() - start)
+                      len(optimized.node), time.perf_counter() - start, *conv)

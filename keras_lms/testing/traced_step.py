@@ -23,6 +23,9 @@ class TracedStep:
     graph_def: object
     fetch: list
     static_bytes: int
+    # convolution op name -> (input shapes, output shapes) as traced: a fallback where grappler's shape
+    # inference of the optimised graph loses them (conv_flops)
+    convolution_shapes: dict = dataclasses.field(default_factory=dict)
 
 
 def _variable_bytes(variables) -> int:
@@ -70,7 +73,9 @@ def trace_training_step(model, x_shape, y_shape, dtype="float32", optimizer="ada
     to_virtual_devices(graph_def)
     fetch = [t.op.name for t in func_graph.outputs] + [op.name for op in func_graph.control_outputs]
     static = _variable_bytes(model.variables) + (_variable_bytes(opt.variables) if opt is not None else 0)
-    return TracedStep(graph_def, list(dict.fromkeys(fetch)), static)
+    from keras_lms.testing.conv_flops import traced_convolution_shapes
+
+    return TracedStep(graph_def, list(dict.fromkeys(fetch)), static, traced_convolution_shapes(func_graph))
 
 
 def resolve_variable_shapes(graph_def, func_graph) -> int:

@@ -30,6 +30,20 @@ def test_report_traffic_is_within_ten_percent_of_the_executed_graph(rows):
         assert r["report_in"] == pytest.approx(r["measured_in"], rel=0.10), r
 
 
+def test_recompute_flops_counted_from_the_executed_convolutions(rows):
+    """The plan's recompute, counted from the convolution ops grappler left on the virtual GPU (wrapped minus
+    plain; keras_lms/testing/conv_flops.py), against the report's ``recompute_flops``. The plain step's count is
+    checked against the report's plain FLOPs first (the counter itself). Whole calls recompute no convolution;
+    slab halos and recomputed windows do."""
+    for r in rows:
+        assert r["plain_conv_flops"] == pytest.approx(r["report_plain_flops"], rel=0.05), r
+        if r["slabs"] == 0:
+            assert r["measured_recompute_flops"] == pytest.approx(0, abs=1e-3 * r["plain_conv_flops"]), r
+            continue
+        assert r["conv_ops_unknown"] == 0, r  # every convolution counted (grappler's shapes or the traced ones)
+        assert r["measured_recompute_flops"] == pytest.approx(r["report_recompute_flops"], rel=0.10), r
+
+
 def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows):
     # Negative control: the count the report gave before (each tensor out once, in once per offloaded input)
     # is exact without slabs and more than 10% low with them (halos, BatchNorm's two backward passes).
