@@ -40,7 +40,7 @@ _CONVOLUTIONS = {
 
 def _shape(props, tensor: str):
     """Static shape of ``tensor`` ("node" or "node:i") from grappler's properties, or None if unknown."""
-    name, _, index = tensor.lstrip("^").partition(":")
+    name, _, index = tensor.partition(":")
     outputs = props.get(name)
     if not outputs:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from keras_lms.testing.conv_flops import traced_convolution_shapes
 from keras_lms.testing.logical_devices import STAND_IN
 from keras_lms.testing.virtual_cluster import GPU, HOST
 
@@ -73,8 +74,6 @@ def trace_training_step(model, x_shape, y_shape, dtype="float32", optimizer="ada
     to_virtual_devices(graph_def)
     fetch = [t.op.name for t in func_graph.outputs] + [op.name for op in func_graph.control_outputs]
     static = _variable_bytes(model.variables) + (_variable_bytes(opt.variables) if opt is not None else 0)
-    from keras_lms.testing.conv_flops import traced_convolution_shapes
-
     return TracedStep(graph_def, list(dict.fromkeys(fetch)), static, traced_convolution_shapes(func_graph))
 
 
