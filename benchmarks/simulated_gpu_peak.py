@@ -298,6 +298,16 @@ def max_cube_table(rows, batch: int) -> Table:
 # ------------------------------------------------------------------------------------------------- main
 def run(args, console, log) -> dict:
     """The selected mode; returns its results for --json."""
+    if args.cube_edges:
+        # the wrapped model (wrap's defaults, with --device-profile if given) at the listed edges only
+        kwargs = wrap_variants(False, device_profile=args.device_profile)["wrapped"]
+        peaks = {}
+        for edge in (int(e) for e in args.cube_edges.split(",")):
+            peaks[edge] = cube_peak(edge, args.batch, kwargs)
+            log(f"  edge {edge}: {peaks[edge] / GIB:.2f} GiB "
+                f"{'fits' if peaks[edge] <= GPU_MEMORY else 'does not fit'} {GPU_MEMORY / GIB:.0f} GiB")
+        return {"cube_peaks": {str(k): v for k, v in peaks.items()}, "batch": args.batch,
+                "dtype_policy": args.dtype_policy, "device_profile": args.device_profile}
     if args.max_cube:
         rows = max_cube(args.batch, args.forced, log, args.runs.split(",") if args.runs else None, args.start,
                         args.device_profile)
@@ -334,8 +344,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype-policy", default="float32",
                         help="Keras dtype policy of every model, plain and wrapped, e.g. mixed_float16 (default "
                              "float32); the loss is computed in float32 either way")
+    parser.add_argument("--cube-edges", default=None,
+                        help="instead: the wrapped 3D U-Net's simulated peak at these cube edges only, e.g. 400,416")
     parser.add_argument("--device-profile", default=None,
-                        help="--max-cube: wrap(device_profile=...) for the wrapped runs (the time-aware plan)")
+                        help="--max-cube / --cube-edges: wrap(device_profile=...) for the wrapped runs (the "
+                             "time-aware plan)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype_policy)
