@@ -43,3 +43,15 @@ def test_report_agrees_with_the_simulation_on_the_wrapped_peak(quick_results):
     for row in quick_results["models"]:
         error = (row["report_wrapped"] - row["sim_wrapped"]) / row["sim_wrapped"]
         assert abs(error) <= 0.15, (row["model"], row["variant"], f"{error:+.1%}")
+
+
+def test_cube_edges_grow_with_the_edge(tmp_path):
+    """``--cube-edges`` (the command behind the largest-cube figures): one simulated peak per edge, larger for the
+    larger cube, under a profile too."""
+    path = tmp_path / "cubes.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "simulated_gpu_peak.py"), "--cube-edges", "32,48",
+                          "--device-profile", "h100-pcie5", "--json", str(path)], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    peaks = json.loads(path.read_text())["cube_peaks"]
+    assert set(peaks) == {"32", "48"} and 0 < peaks["32"] < peaks["48"], peaks
