@@ -24,6 +24,14 @@ transfers. A check of the traced graph cannot see either, so ``simulate`` asks T
 5. ``peak_memory`` (keras_lms/testing/timeline_peak.py) replays that timeline: how long each buffer lives on
    each device, and the most bytes live at once on the GPU.
 
+``simulate(..., gpu_memory_bytes=M)`` runs step 3 as on a GPU of M bytes: grappler's memory optimizer then
+swaps by itself when its estimate of the graph exceeds M, as it does on a real device (issue 28;
+keras_lms/testing/grappler_swaps.py registers its swap ops so that the passes after it run as on a GPU build).
+Step 4 still runs on a 1 TiB cluster, and step 5 counts each swap's host copy on the host and its copy back on
+the GPU from grappler's trigger on. Grappler's choice of swaps is not deterministic (it walks containers keyed
+by pointers), so a size near the limit may fit in some runs and not in others: simulate it several times.
+``Simulation.grappler_estimate_bytes`` is the estimate that decides it (``grappler_estimate=True``).
+
 The peak reported is ``static_bytes`` (model and optimizer variables, resident on the GPU) plus the
 timeline's peak. Not modelled: allocator rounding and fragmentation, cuDNN workspaces, the host link's
 bandwidth (a transfer takes (almost) no time; it changes when a copy completes, not when its buffer is allocated), and
@@ -37,9 +45,10 @@ import dataclasses
 import time
 
 from keras_lms.testing.conv_flops import convolution_flops
+from keras_lms.testing.grappler_swaps import register_swap_ops, swap_pairs
 from keras_lms.testing.timeline_peak import MemoryPeak, peak_memory
 from keras_lms.testing.traced_step import trace_training_step
-from keras_lms.testing.virtual_cluster import GPU, optimize, schedule, virtual_cluster
+from keras_lms.testing.virtual_cluster import GPU, grappler_memory_estimate, optimize, schedule, virtual_cluster
 
 SWAP_MARKERS = ("lms_swap_out", "lms_swap_in")
 
@@ -60,6 +69,10 @@ class Simulation:
     conv_flops: float = 0.0  # convolution FLOPs the GPU computes in the optimised graph (conv_flops.py)
     conv_ops: int = 0  # convolution ops counted ...
     conv_ops_unknown: int = 0  # ... and those whose shapes grappler could not infer (not counted)
+    gpu_memory_bytes: int = 0  # the GPU memory size grappler optimised for (0: 1 TiB, it never swaps)
+    grappler_swaps: list = dataclasses.field(default_factory=list)  # grappler_swaps.SwapPair it inserted
+    grappler_swap_bytes: int = 0  # bytes those swaps copy to host (and back) per step
+    grappler_estimate_bytes: int = -1  # grappler's estimate when its memory pass decides (-1: not asked)
 
 
 def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
@@ -67,13 +80,32 @@ def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
     return {m: sum(m in node.name for node in graph_def.node) for m in markers}
 
 
-def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_memory: bool = True) -> Simulation:
-    """Trace, optimise and schedule one training step of ``model``; see the module docstring."""
+def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_memory: bool = True,
+             gpu_memory_bytes: int | None = None, grappler_estimate: bool = False) -> Simulation:
+    """Trace, optimise and schedule one training step of ``model``; see the module docstring.
+
+    ``gpu_memory_bytes``: optimise for a GPU of that size, so that grappler swaps as on the real device
+    (default: 1 TiB, no swaps of grappler's). ``grappler_estimate``: also compute the estimate grappler's memory
+    pass compares with it (one more optimisation of the step).
+    """
     start = time.perf_counter()
     traced = trace_training_step(model, x_shape, y_shape, dtype, optimizer)
+    if gpu_memory_bytes is not None:
+        register_swap_ops()
     cluster = virtual_cluster()
     try:
-        optimized = optimize(traced.graph_def, traced.fetch, cluster)
+        if gpu_memory_bytes is None:
+            optimized = optimize(traced.graph_def, traced.fetch, cluster)
+        else:
+            sized = virtual_cluster(timeline=False, gpu_memory_bytes=gpu_memory_bytes)
+            try:
+                optimized = optimize(traced.graph_def, traced.fetch, sized)
+            finally:
+                sized.Shutdown()
+        estimate = -1
+        if grappler_estimate:
+            before_memory_pass = optimize(traced.graph_def, traced.fetch, cluster, until_memory_pass=True)
+            estimate = grappler_memory_estimate(before_memory_pass, traced.fetch)
         step_stats, item = schedule(optimized, traced.fetch, cluster)
         gpu = peak_memory(optimized, step_stats, GPU, traced.fetch)
         conv = convolution_flops(optimized, item, GPU, traced.convolution_shapes)
@@ -82,6 +114,9 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
             grappler_peak = int(cluster.DeterminePeakMemoryUsage(item).get(GPU, (-1, []))[0])
     finally:
         cluster.Shutdown()
+    swaps = swap_pairs(optimized)
     return Simulation(traced.static_bytes + gpu.peak_bytes, traced.static_bytes, gpu, grappler_peak,
                       count_named(traced.graph_def), count_named(optimized), len(traced.graph_def.node),
-                      len(optimized.node), time.perf_counter() - start, *conv)
+                      len(optimized.node), time.perf_counter() - start, *conv,
+                      gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps, grappler_swap_bytes=gpu.grappler_swap_bytes,
+                      grappler_estimate_bytes=estimate)

@@ -6,7 +6,10 @@ consumer on the sending side); a tensor received from another device occupies th
 ``_Recv`` to the end of its last consumer there. Identity-like ops (``ALIAS_OPS``) share their input's buffer;
 outputs nobody reads live for their producer's duration, the step's return values until it ends. Constants,
 variables and variable reads (which return the variable's own buffer) are static memory, not part of the
-timeline.
+timeline. Grappler's own swaps (keras_lms/testing/grappler_swaps.py) run on the GPU but the output of a
+``_CopyFromGpuToHost`` is host memory (a GPU build gives it a host-memory output): it is counted on the host,
+and its ``_CopyFromHostToGpu`` is a copy received from the host, from its start (gated by grappler's trigger)
+to its consumer's end.
 
 Why not ``Cluster.DeterminePeakMemoryUsage``: it rebuilds lifetimes from the same timeline
 (``GraphMemory::InferFromTrace``) but matches consumers by the *graph's* input names, which name the
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_lms.testing.virtual_cluster import GPU
+from keras_lms.testing.grappler_swaps import SWAP_IN_OP, SWAP_OUT_OP
+from keras_lms.testing.virtual_cluster import GPU, HOST
 
 # Ops whose kernels return their input's buffer (no new allocation).
 ALIAS_OPS = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
@@ -49,6 +53,7 @@ class _Buffer:
     end: int
     name: str
     origin: str = ""  # for a received copy: the device it came from
+    grappler_swap: bool = False  # the host copy of one of grappler's own swaps
 
 
 @dataclasses.dataclass
@@ -61,6 +66,7 @@ class MemoryPeak:
     received_bytes: int  # bytes this device received from other devices in the step
     sent_bytes: int  # bytes this device sent to other devices
     unknown_shape_tensors: int  # outputs on this device whose shape inference failed
+    grappler_swap_bytes: int = 0  # of sent_bytes, those grappler's own swaps copied out (and back)
 
 
 def _timeline(step_stats) -> dict:
@@ -110,7 +116,13 @@ class _Lifetimes:
             for port, size in enumerate(op.sizes):
                 if node.op in ALIAS_OPS and port < len(data_inputs) and self._alias(name, port, node, data_inputs):
                     continue
-                self.buffers[(name, port)] = _Buffer(op.device, size, op.start, op.end, f"{name}:{port}")
+                device, origin = op.device, ""
+                if node.op == SWAP_OUT_OP:  # grappler's swap-out: its output is in host memory, sent from the GPU
+                    device, origin = HOST, op.device
+                elif node.op == SWAP_IN_OP:  # ... and its swap-in a copy received from the host
+                    origin = HOST
+                self.buffers[(name, port)] = _Buffer(device, size, op.start, op.end, f"{name}:{port}", origin,
+                                                     node.op == SWAP_OUT_OP)
 
     def _alias(self, name, port, node, data_inputs) -> bool:
         """Make output ``port`` of a view op share its source's buffer; False if the source is elsewhere."""
@@ -197,5 +209,7 @@ def peak_memory(graph_def, step_stats, device: str = GPU, fetch=()) -> MemoryPea
     peak, at, live = _peak(here)
     received = sum(b.size for b in here if b.origin)
     sent = sum(b.size for b in every if b.origin == device)
+    swapped = sum(b.size for b in every if b.origin == device and b.grappler_swap)
     unknown = sum(op.unknown_shapes for op in _timeline(step_stats).values() if op.device == device)
-    return MemoryPeak(peak, at, sorted(((b.size, b.name) for b in live), reverse=True), received, sent, unknown)
+    return MemoryPeak(peak, at, sorted(((b.size, b.name) for b in live), reverse=True), received, sent, unknown,
+                      swapped)

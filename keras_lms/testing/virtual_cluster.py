@@ -4,6 +4,11 @@ Nothing executes on it. Op costs are analytical, derived from the devices' prope
 order the virtual scheduler gives the ops and, because the cluster has a GPU, grappler's layout optimiser
 converts convolutions to NCHW as it would on a real one. ``optimize`` gives the graph TensorFlow would run;
 ``schedule`` the timeline the virtual scheduler makes of it (keras_lms/testing/timeline_peak.py replays it).
+
+The GPU's ``memory_size`` matters to one pass: grappler's memory optimizer inserts swaps of its own when its
+estimate of the graph (``grappler_memory_estimate``) exceeds it (keras_lms/testing/grappler_swaps.py). A
+cluster made with the real device's size optimises as TensorFlow would on that device; the schedule is always
+taken on a 1 TiB cluster, because the virtual scheduler refuses to run a graph its estimate says does not fit.
 """
 
 from __future__ import annotations
@@ -37,11 +42,14 @@ def host_properties():
         bandwidth=100_000_000))
 
 
-def virtual_cluster(timeline: bool = True):
-    """A grappler VirtualCluster: one GPU and the host CPU (nothing runs; op costs are analytical)."""
+def virtual_cluster(timeline: bool = True, gpu_memory_bytes: int = _DEFAULT_GPU_MEMORY):
+    """A grappler VirtualCluster: one GPU of ``gpu_memory_bytes`` and the host CPU (nothing runs; op costs are
+    analytical). Without a timeline, ``Cluster.DeterminePeakMemoryUsage`` infers statically, as grappler's
+    memory optimizer does."""
     from tensorflow.python.grappler import cluster as gcluster
 
-    return gcluster.Cluster(devices=[gpu_properties(), host_properties()], disable_timeline=not timeline)
+    return gcluster.Cluster(devices=[gpu_properties(gpu_memory_bytes), host_properties()],
+                            disable_timeline=not timeline)
 
 
 def _metagraph(graph_def, fetch):
@@ -53,13 +61,34 @@ def _metagraph(graph_def, fetch):
     return metagraph
 
 
-def optimize(graph_def, fetch, cluster):
-    """Grappler's default pipeline (default RewriterConfig) for this cluster: the graph TensorFlow runs."""
-    from tensorflow.core.protobuf import config_pb2
+def optimize(graph_def, fetch, cluster, until_memory_pass: bool = False):
+    """Grappler's default pipeline (default RewriterConfig) for this cluster: the graph TensorFlow runs.
+
+    ``until_memory_pass``: the graph grappler's memory optimizer is given on its first run instead: the first
+    of the meta optimizer's two iterations, without the memory pass (the passes after it, auto-parallel and the
+    scoped allocator, are off by default). Its ``grappler_memory_estimate`` is what decides grappler's swaps.
+    """
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import tf_optimizer
 
-    return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), _metagraph(graph_def, fetch), verbose=False,
-                                      cluster=cluster)
+    config = config_pb2.ConfigProto()
+    if until_memory_pass:
+        rewriter = config.graph_options.rewrite_options
+        rewriter.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+        rewriter.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    return tf_optimizer.OptimizeGraph(config, _metagraph(graph_def, fetch), verbose=False, cluster=cluster)
+
+
+def grappler_memory_estimate(graph_def, fetch, gpu_memory_bytes: int = _DEFAULT_GPU_MEMORY) -> int:
+    """Grappler's static estimate of ``graph_def``'s GPU peak (``GraphMemory::InferStatically``), the number its
+    memory optimizer compares with the GPU's memory size before it swaps."""
+    from tensorflow.python.grappler import item as gitem
+
+    cluster = virtual_cluster(timeline=False, gpu_memory_bytes=gpu_memory_bytes)
+    try:
+        return int(cluster.DeterminePeakMemoryUsage(gitem.Item(_metagraph(graph_def, fetch))).get(GPU, (-1,))[0])
+    finally:
+        cluster.Shutdown()
 
 
 def schedule(graph_def, fetch, cluster):
