@@ -118,5 +118,5 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
     return Simulation(traced.static_bytes + gpu.peak_bytes, traced.static_bytes, gpu, grappler_peak,
                       count_named(traced.graph_def), count_named(optimized), len(traced.graph_def.node),
                       len(optimized.node), time.perf_counter() - start, *conv,
-                      gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps, grappler_swap_bytes=gpu.grappler_swap_bytes,
-                      grappler_estimate_bytes=estimate)
+                      gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps,
+                      grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate)

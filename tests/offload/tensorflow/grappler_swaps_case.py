@@ -13,7 +13,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 
-from keras_lms.testing.logical_devices import configure_logical_cpus  # noqa: E402
+from keras_lms.testing.logical_devices import configure_logical_cpus
 
 configure_logical_cpus()
 
