@@ -5,6 +5,10 @@
     python benchmarks/simulated_gpu_peak.py --max-cube   # largest 3D U-Net cube that fits 16 GiB (~10 min)
     python benchmarks/simulated_gpu_peak.py --max-cube --dtype-policy mixed_float16   # the same in mixed precision
     python benchmarks/simulated_gpu_peak.py --quick      # small models, forced offload: a smoke run (~40 s)
+    python benchmarks/simulated_gpu_peak.py --like-for-like --plain-edges 240,256,272 --wrapped-edges 384,400
+                                                         # grappler sees 16 GiB and swaps by itself, plain and
+                                                         # wrapped; fits k/n over --repeat runs (~1 min per
+                                                         # wrapped 3D run, ~10 s per plain one)
 
 (Times on the 2-core development VM.) No GPU is needed and nothing is executed: each step (forward, loss,
 gradients, Adam update) is traced on a stand-in device, optimised by grappler's default pipeline for a
@@ -295,9 +299,78 @@ def max_cube_table(rows, batch: int) -> Table:
     return table
 
 
+# --------------------------------------------------------------------------------------- --like-for-like
+def like_for_like(plain_edges, wrapped_edges, repeat: int, batch: int, log, device_profile=None) -> list:
+    """Each edge of each model simulated as TensorFlow runs it on a GPU_MEMORY GPU: grappler optimises for that
+    size and swaps by itself when its estimate exceeds it (keras_lms/testing/grappler_swaps.py), ``repeat`` times
+    because its choice of swaps varies from run to run; plus once on a 1 TiB GPU, where it never swaps (the
+    figure the max-cube table used to give for plain). One row per (model, edge)."""
+    wrapped_kwargs = wrap_variants(False, device_profile=device_profile)["wrapped"]
+    rows = []
+    for run, edges, kwargs in (("plain", plain_edges, None), ("wrapped", wrapped_edges, wrapped_kwargs)):
+        for edge in edges:
+            model = build(lambda e=edge: unet((e, e, e, 1), 16))
+            x_shape, y_shape = shapes(model, batch)
+            if kwargs is not None:
+                model = keras_lms.wrap(model, **kwargs)
+            unlimited = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False, grappler_estimate=True)
+            sims = [simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False, gpu_memory_bytes=GPU_MEMORY)
+                    for _ in range(repeat)]
+            row = dict(run=run, edge=edge, peak_unlimited=unlimited.peak_bytes,
+                       grappler_estimate=unlimited.grappler_estimate_bytes,
+                       peaks=[s.peak_bytes for s in sims], swaps=[len(s.grappler_swaps) for s in sims],
+                       swap_bytes=[s.grappler_swap_bytes for s in sims],
+                       fits=sum(s.peak_bytes <= GPU_MEMORY for s in sims), runs=repeat)
+            log(f"  {run} {edge}^3: 1 TiB {row['peak_unlimited'] / GIB:.2f} GiB; grappler's estimate "
+                f"{row['grappler_estimate'] / GIB:.2f} GiB; at {GPU_MEMORY / GIB:.0f} GiB "
+                + ", ".join(f"{p / GIB:.2f} ({n} swaps, {b / GIB:.2f} GiB)"
+                            for p, n, b in zip(row["peaks"], row["swaps"], row["swap_bytes"]))
+                + f": fits {row['fits']}/{repeat}")
+            rows.append(row)
+    return rows
+
+
+def reliable_edge(rows, run: str) -> int:
+    """The largest edge of ``run`` that fits in every run, with every smaller edge tried fitting too (0: none)."""
+    edge = 0
+    for r in sorted((r for r in rows if r["run"] == run), key=lambda r: r["edge"]):
+        if r["fits"] != r["runs"]:
+            break
+        edge = r["edge"]
+    return edge
+
+
+def like_for_like_table(rows, batch: int) -> Table:
+    table = Table(title=f"3D U-Net (16 filters), batch {batch}, dtype policy "
+                        f"{keras.mixed_precision.global_policy().name}: grappler optimises for a "
+                        f"{GPU_MEMORY / GIB:.0f} GiB GPU and swaps by itself")
+    for column in ("run", "edge", "peak, 1 TiB (no grappler swaps) GiB", "grappler's estimate GiB",
+                   f"fits {GPU_MEMORY / GIB:.0f} GiB", "peaks GiB", "grappler swaps", "swapped GiB each way"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for r in rows:
+        span = lambda values, scale=GIB: (f"{min(values) / scale:.2f}-{max(values) / scale:.2f}"  # noqa: E731
+                                          if min(values) != max(values) else f"{values[0] / scale:.2f}")
+        table.add_row(r["run"], f"{r['edge']}^3", f"{r['peak_unlimited'] / GIB:.2f}",
+                      f"{r['grappler_estimate'] / GIB:.2f}", f"{r['fits']}/{r['runs']}", span(r["peaks"]),
+                      span(r["swaps"], 1).replace(".00", ""), span(r["swap_bytes"]))
+    plain, wrapped = reliable_edge(rows, "plain"), reliable_edge(rows, "wrapped")
+    if plain and wrapped:
+        table.caption = (f"reliable (fits every run): plain {plain}^3, wrapped {wrapped}^3, "
+                         f"{(wrapped / plain) ** 3:.2f}x the voxels")
+    return table
+
+
 # ------------------------------------------------------------------------------------------------- main
 def run(args, console, log) -> dict:
     """The selected mode; returns its results for --json."""
+    if args.like_for_like:
+        edges = lambda text: [int(e) for e in text.split(",")] if text else []  # noqa: E731
+        rows = like_for_like(edges(args.plain_edges), edges(args.wrapped_edges), args.repeat, args.batch, log,
+                             args.device_profile)
+        console.print(like_for_like_table(rows, args.batch))
+        return {"like_for_like": rows, "batch": args.batch, "gpu_memory": GPU_MEMORY,
+                "dtype_policy": args.dtype_policy, "device_profile": args.device_profile,
+                "reliable_edge": {run: reliable_edge(rows, run) for run in ("plain", "wrapped")}}
     if args.cube_edges:
         # the wrapped model (wrap's defaults, with --device-profile if given) at the listed edges only
         kwargs = wrap_variants(False, device_profile=args.device_profile)["wrapped"]
@@ -349,6 +422,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device-profile", default=None,
                         help="--max-cube / --cube-edges: wrap(device_profile=...) for the wrapped runs (the "
                              "time-aware plan)")
+    parser.add_argument("--like-for-like", action="store_true",
+                        help="instead: plain and wrapped as TensorFlow runs them on a 16 GiB GPU (grappler swaps by "
+                             "itself), --repeat times per edge")
+    parser.add_argument("--plain-edges", default="", help="--like-for-like: plain cube edges, e.g. 240,256,272")
+    parser.add_argument("--wrapped-edges", default="", help="--like-for-like: wrapped cube edges, e.g. 384,400")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="--like-for-like: runs per edge (grappler's swaps vary; default 3)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype_policy)

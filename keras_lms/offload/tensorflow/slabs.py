@@ -37,6 +37,7 @@ statistics are sums over slabs (docs/design.md, "Slabs").
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import tensorflow as tf
 
@@ -46,6 +47,34 @@ __all__ = ["AXIS", "SLAB_SWAP_IN", "SlabPlan", "backward", "computes_in_slabs_fo
            "pad_rows", "plan_slabs", "rows", "slab_bounds", "SlabGradients"]
 
 SLAB_SWAP_IN = "lms_swap_in"  # prefix shared with whole-tensor swap-ins (executed-graph tests count them)
+LAYOUT_FENCE = "lms_layout_fence"
+
+_fences = weakref.WeakKeyDictionary()  # graph -> {tensor ref: its fence}
+
+
+def layout_fence(x):
+    """``x`` through one ``EnsureShape`` (no copy: the kernel forwards its input), made once per tensor.
+
+    Why: on a GPU, grappler's layout optimiser runs 3D convolutions channels-first and keeps the ops around them
+    in that layout where it can. Slices and concatenations are layout-agnostic, so a whole tensor that slab
+    windows are cut from, or that slab pieces are assembled into, stays channels-first, and the optimiser puts a
+    full-size channels-last copy (a ``Transpose``) on *every* consumer edge that needs channels-last, one per
+    window. A later pass merges those copies, but the memory optimizer estimates the graph before that: at
+    384^3 it saw 145 GiB for a step that needs 14, and swapped by itself (issue 28). ``EnsureShape`` is not
+    layout-agnostic, so the optimiser stops at it: a fenced whole tensor gets one transpose at most, and slab
+    pieces fenced before their concatenation keep the assembled tensor channels-last, with window-sized
+    transposes only.
+    """
+    if tf.executing_eagerly() or not isinstance(x, tf.Tensor) or x.shape.rank is None:
+        return x
+    memo = _fences.setdefault(x.graph, {})
+    fenced = memo.get(x.ref())
+    if fenced is None:
+        with tf.control_dependencies(None), tf.device(x.device or None):
+            fenced = tf.ensure_shape(x, x.shape, name=LAYOUT_FENCE)
+        memo[x.ref()] = fenced
+        memo[fenced.ref()] = fenced  # fencing a fence is the fence itself
+    return fenced
 
 
 def rows(x, a, b):
@@ -58,6 +87,7 @@ def rows(x, a, b):
     a BatchNormalization's upstream-gradient windows were all cut (and cast to float32 under mixed precision)
     as soon as the gradient existed, not one slab ahead. The bounds are therefore made outside any block.
     """
+    x = layout_fence(x)
     rank = len(x.shape)
     with tf.control_dependencies(None):
         begin = tf.constant([0, a] + [0] * (rank - 2), tf.int32)
@@ -117,7 +147,7 @@ def forward(run, window_of, n_inputs: int, plan: SlabPlan):
         windows = [window_of(i, a, b, prev) for i in range(n_inputs)]
         output, new_state, losses = run(windows)
         piece = rows(output, s0 - a, s1 - a) if (a, b) != (s0, s1) else output
-        pieces.append(piece)
+        pieces.append(layout_fence(piece))
         prev = piece
         if first is None:
             first = (new_state, losses)
@@ -163,7 +193,7 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
         done = []
         for i, g in enumerate(input_grads):
             if g is not None:
-                pieces[i].append(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g)
+                pieces[i].append(layout_fence(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g))
                 done.append(pieces[i][-1])
         for j, g in enumerate(weight_grads):
             if g is not None:

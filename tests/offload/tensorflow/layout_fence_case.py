@@ -1,0 +1,61 @@
+"""Run in a fresh process by test_layout_fence.py (the logical CPUs must be set before TensorFlow starts).
+
+    python layout_fence_case.py [--unfenced] EDGE SLAB_BYTES
+
+A wrapped float32 3D U-Net (two levels) computed in slabs: grappler's memory estimate (what its memory
+optimizer decides by), the simulated peak, and the layout optimiser's most transposes of one full-resolution
+tensor before the memory pass. ``--unfenced`` replaces ``slabs.layout_fence`` by the identity: the slabs as
+they were before issue 28 (the control). Prints one JSON object.
+"""
+
+import collections
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
+
+from keras_lms.testing.logical_devices import HOST_STAND_IN, configure_logical_cpus
+
+configure_logical_cpus()
+
+import numpy as np  # noqa: E402
+from tensorflow.python.grappler import item as gitem  # noqa: E402
+
+import keras_lms  # noqa: E402
+from benchmarks.models import build_unet  # noqa: E402
+from keras_lms.offload.tensorflow import slabs  # noqa: E402
+from keras_lms.testing import simulated_gpu, virtual_cluster  # noqa: E402
+from keras_lms.testing.traced_step import trace_training_step  # noqa: E402
+
+args = [a for a in sys.argv[1:] if a != "--unfenced"]
+if "--unfenced" in sys.argv:
+    slabs.layout_fence = lambda x: x
+edge, slab_bytes = int(args[0]), args[1]
+model = keras_lms.wrap(build_unet((edge, edge, edge, 1), depth=2, base_filters=16, dropout=0),
+                       host_device=HOST_STAND_IN, slab_bytes=slab_bytes, min_bytes=0)
+shape = (1, edge, edge, edge, 1)
+
+sim = simulated_gpu.simulate(model, shape, shape, grappler_estimate=True, graph_memory=False)
+traced = trace_training_step(model, shape, shape)
+cluster = virtual_cluster.virtual_cluster()
+try:
+    before_memory_pass = virtual_cluster.optimize(traced.graph_def, traced.fetch, cluster, until_memory_pass=True)
+finally:
+    cluster.Shutdown()
+# layout transposes per source tensor, among the full-resolution ones (a quarter of the largest tensor or more)
+properties = gitem.Item(virtual_cluster._metagraph(before_memory_pass, traced.fetch)).GetOpProperties()
+size = {}
+for node, outputs in properties.items():
+    for port, out in enumerate(outputs):
+        if not out.shape.unknown_rank and all(d.size > 0 for d in out.shape.dim):
+            size[f"{node}:{port}" if port else node] = np.prod([d.size for d in out.shape.dim])
+large = max(size.values()) / 4
+per_source = collections.Counter(node.input[0] for node in before_memory_pass.node
+                                 if node.op == "Transpose" and "LayoutOptimizer" in node.name
+                                 and size.get(node.input[0], 0) >= large)
+print(json.dumps(dict(peak=sim.peak_bytes, static=sim.static_bytes, estimate=sim.grappler_estimate_bytes,
+                      most_transposes_of_one_tensor=max(per_source.values(), default=0),
+                      fences=sum(slabs.LAYOUT_FENCE in n.name for n in before_memory_pass.node))))
