@@ -55,3 +55,22 @@ def test_cube_edges_grow_with_the_edge(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     peaks = json.loads(path.read_text())["cube_peaks"]
     assert set(peaks) == {"32", "48"} and 0 < peaks["32"] < peaks["48"], peaks
+
+
+def test_like_for_like_simulates_grappler_swapping_at_16_gib(tmp_path):
+    """``--like-for-like`` (the command behind the like-for-like max-cube table): every edge at 1 TiB and, as
+    TensorFlow runs it, with grappler optimising for 16 GiB, ``--repeat`` times; the reliable edge fits every run."""
+    path = tmp_path / "like_for_like.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "simulated_gpu_peak.py"), "--like-for-like",
+                          "--plain-edges", "32,48", "--wrapped-edges", "48", "--repeat", "2", "--json", str(path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(path.read_text())
+    rows = {(r["run"], r["edge"]): r for r in result["like_for_like"]}
+    assert set(rows) == {("plain", 32), ("plain", 48), ("wrapped", 48)}, rows
+    for row in rows.values():
+        assert row["runs"] == 2 and len(row["peaks"]) == 2 and row["fits"] == 2, row  # small: fits, no swaps
+        assert row["swaps"] == [0, 0] and row["grappler_estimate"] > 0, row
+        assert all(p == row["peak_unlimited"] for p in row["peaks"]), row
+    assert rows[("plain", 32)]["peak_unlimited"] < rows[("plain", 48)]["peak_unlimited"]
+    assert result["reliable_edge"] == {"plain": 48, "wrapped": 48}, result["reliable_edge"]
