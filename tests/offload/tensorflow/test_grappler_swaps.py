@@ -8,6 +8,7 @@ each host copy on the host and brings it back when grappler's trigger has run.
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,10 +21,19 @@ CASE = pathlib.Path(__file__).with_name("grappler_swaps_case.py")
 
 
 @pytest.fixture(scope="module")
-def runs():
-    out = subprocess.run([sys.executable, str(CASE)], capture_output=True, text=True, timeout=600)
+def runs(tmp_path_factory):
+    # An empty cache: the swap-op library is compiled here, as on a machine that never ran the simulation.
+    cache = tmp_path_factory.mktemp("keras_lms_cache")
+    out = subprocess.run([sys.executable, str(CASE)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "KERAS_LMS_CACHE": str(cache)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["compiled"] = sorted(p.name for p in (cache / "grappler-swap-ops").glob("*.so"))
+    return result
+
+
+def test_the_swap_ops_are_compiled_on_first_use(runs):
+    assert len(runs["compiled"]) == 1 and runs["compiled"][0].startswith("swap_ops-"), runs["compiled"]
 
 
 def test_grappler_swaps_when_its_estimate_exceeds_the_gpu(runs):
