@@ -42,8 +42,6 @@ REGISTER_OP("_CopyFromHostToGpu").Input("input: T").Output("output: T").Attr("T:
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
 """
 
-_loaded = False
-
 
 class SwapOpsBuildError(RuntimeError):
     """The swap-op library could not be compiled (no C++ compiler, or TensorFlow's headers are missing)."""
@@ -79,18 +77,14 @@ def _compile(tf, target: pathlib.Path) -> None:
 
 def register_swap_ops() -> pathlib.Path:
     """Register ``_CopyFromGpuToHost`` / ``_CopyFromHostToGpu`` in this process (idempotent); the library's path."""
-    global _loaded
     import tensorflow as tf
     from tensorflow.python.framework import op_def_registry
 
     path = _library_path(tf)
-    if _loaded or op_def_registry.get(SWAP_OUT_OP) is not None:
-        _loaded = True
-        return path
-    if not path.exists():
-        _compile(tf, path)
-    tf.load_op_library(str(path))
-    _loaded = True
+    if op_def_registry.get(SWAP_OUT_OP) is None:
+        if not path.exists():
+            _compile(tf, path)
+        tf.load_op_library(str(path))
     return path
 
 
