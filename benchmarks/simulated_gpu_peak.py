@@ -340,6 +340,12 @@ def reliable_edge(rows, run: str) -> int:
     return edge
 
 
+def _span(values, scale: float = GIB, digits: int = 2) -> str:
+    """"low-high" of ``values`` / ``scale``, or one value when they print alike."""
+    low, high = (f"{v / scale:.{digits}f}" for v in (min(values), max(values)))
+    return low if low == high else f"{low}-{high}"
+
+
 def like_for_like_table(rows, batch: int) -> Table:
     table = Table(title=f"3D U-Net (16 filters), batch {batch}, dtype policy "
                         f"{keras.mixed_precision.global_policy().name}: grappler optimises for a "
@@ -348,11 +354,9 @@ def like_for_like_table(rows, batch: int) -> Table:
                    f"fits {GPU_MEMORY / GIB:.0f} GiB", "peaks GiB", "grappler swaps", "swapped GiB each way"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for r in rows:
-        span = lambda values, scale=GIB: (f"{min(values) / scale:.2f}-{max(values) / scale:.2f}"  # noqa: E731
-                                          if min(values) != max(values) else f"{values[0] / scale:.2f}")
         table.add_row(r["run"], f"{r['edge']}^3", f"{r['peak_unlimited'] / GIB:.2f}",
-                      f"{r['grappler_estimate'] / GIB:.2f}", f"{r['fits']}/{r['runs']}", span(r["peaks"]),
-                      span(r["swaps"], 1).replace(".00", ""), span(r["swap_bytes"]))
+                      f"{r['grappler_estimate'] / GIB:.2f}", f"{r['fits']}/{r['runs']}", _span(r["peaks"]),
+                      _span(r["swaps"], 1, 0), _span(r["swap_bytes"]))
     plain, wrapped = reliable_edge(rows, "plain"), reliable_edge(rows, "wrapped")
     if plain and wrapped:
         table.caption = (f"reliable (fits every run): plain {plain}^3, wrapped {wrapped}^3, "

@@ -73,6 +73,8 @@ class Simulation:
     grappler_swaps: list = dataclasses.field(default_factory=list)  # grappler_swaps.SwapPair it inserted
     grappler_swap_bytes: int = 0  # bytes those swaps copy to host (and back) per step
     grappler_estimate_bytes: int = -1  # grappler's estimate when its memory pass decides (-1: not asked)
+    before_memory_pass: object = None  # the GraphDef that estimate is of (grappler_estimate=True only)
+    fetch: list = dataclasses.field(default_factory=list)  # the step's fetch nodes (for grappler_item)
 
 
 def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
@@ -102,7 +104,7 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
                 optimized = optimize(traced.graph_def, traced.fetch, sized)
             finally:
                 sized.Shutdown()
-        estimate = -1
+        estimate, before_memory_pass = -1, None
         if grappler_estimate:
             before_memory_pass = optimize(traced.graph_def, traced.fetch, cluster, until_memory_pass=True)
             estimate = grappler_memory_estimate(before_memory_pass, traced.fetch)
@@ -119,4 +121,5 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
                       count_named(traced.graph_def), count_named(optimized), len(traced.graph_def.node),
                       len(optimized.node), time.perf_counter() - start, *conv,
                       gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps,
-                      grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate)
+                      grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate,
+                      before_memory_pass=before_memory_pass, fetch=traced.fetch)

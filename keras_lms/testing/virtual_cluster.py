@@ -79,22 +79,26 @@ def optimize(graph_def, fetch, cluster, until_memory_pass: bool = False):
     return tf_optimizer.OptimizeGraph(config, _metagraph(graph_def, fetch), verbose=False, cluster=cluster)
 
 
+def grappler_item(graph_def, fetch):
+    """The GrapplerItem of ``graph_def``: what grappler's cost model and shape inference see
+    (``GetOpProperties()`` gives every output's inferred shape)."""
+    from tensorflow.python.grappler import item as gitem
+
+    return gitem.Item(_metagraph(graph_def, fetch))
+
+
 def grappler_memory_estimate(graph_def, fetch, gpu_memory_bytes: int = _DEFAULT_GPU_MEMORY) -> int:
     """Grappler's static estimate of ``graph_def``'s GPU peak (``GraphMemory::InferStatically``), the number its
     memory optimizer compares with the GPU's memory size before it swaps."""
-    from tensorflow.python.grappler import item as gitem
-
     cluster = virtual_cluster(timeline=False, gpu_memory_bytes=gpu_memory_bytes)
     try:
-        return int(cluster.DeterminePeakMemoryUsage(gitem.Item(_metagraph(graph_def, fetch))).get(GPU, (-1,))[0])
+        return int(cluster.DeterminePeakMemoryUsage(grappler_item(graph_def, fetch)).get(GPU, (-1,))[0])
     finally:
         cluster.Shutdown()
 
 
 def schedule(graph_def, fetch, cluster):
     """The virtual scheduler's timeline of ``graph_def`` (StepStats) and the GrapplerItem it ran."""
-    from tensorflow.python.grappler import item as gitem
-
-    item = gitem.Item(_metagraph(graph_def, fetch))
+    item = grappler_item(graph_def, fetch)
     _, _, step_stats = cluster.MeasureCosts(item)
     return step_stats, item

@@ -22,13 +22,11 @@ from keras_lms.testing.logical_devices import HOST_STAND_IN, configure_logical_c
 configure_logical_cpus()
 
 import numpy as np  # noqa: E402
-from tensorflow.python.grappler import item as gitem  # noqa: E402
 
 import keras_lms  # noqa: E402
 from benchmarks.models import build_unet  # noqa: E402
 from keras_lms.offload.tensorflow import slabs  # noqa: E402
 from keras_lms.testing import simulated_gpu, virtual_cluster  # noqa: E402
-from keras_lms.testing.traced_step import trace_training_step  # noqa: E402
 
 args = [a for a in sys.argv[1:] if a != "--unfenced"]
 if "--unfenced" in sys.argv:
@@ -39,14 +37,9 @@ model = keras_lms.wrap(build_unet((edge, edge, edge, 1), depth=2, base_filters=1
 shape = (1, edge, edge, edge, 1)
 
 sim = simulated_gpu.simulate(model, shape, shape, grappler_estimate=True, graph_memory=False)
-traced = trace_training_step(model, shape, shape)
-cluster = virtual_cluster.virtual_cluster()
-try:
-    before_memory_pass = virtual_cluster.optimize(traced.graph_def, traced.fetch, cluster, until_memory_pass=True)
-finally:
-    cluster.Shutdown()
+before_memory_pass = sim.before_memory_pass
 # layout transposes per source tensor, among the full-resolution ones (a quarter of the largest tensor or more)
-properties = gitem.Item(virtual_cluster._metagraph(before_memory_pass, traced.fetch)).GetOpProperties()
+properties = virtual_cluster.grappler_item(before_memory_pass, sim.fetch).GetOpProperties()
 size = {}
 for node, outputs in properties.items():
     for port, out in enumerate(outputs):
