@@ -45,17 +45,21 @@ FORCED = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
 
 
 def cases() -> list:
-    """(label, model builder, batch, wrap settings, fused slab chains). The slab cases cut every large call in
-    4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution chains off (slab_chains.ENABLED)."""
+    """(label, model builder, batch, wrap settings, fused slab chains[, exact-row convolutions]). The slab cases
+    cut every large call in 4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution chains off
+    (slab_chains.ENABLED); "halo rows convolved" turns exact-row convolution slabs off (slab_plan.EXACT_ROWS:
+    every slab convolves its whole window "same" and crops, the control of slab_rows)."""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
     slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
     return [("3D U-Net 1x32^3 (2 levels, 4 filters), whole", unet3d, 1, FORCED, True),
             ("3D U-Net 1x32^3, slabs of 64 KiB, unfused", unet3d, 1, slabs3d, False),
             ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains", unet3d, 1, slabs3d, True),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains, halo rows convolved", unet3d, 1, slabs3d, True, False),
             ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED, True),
             ("2D U-Net 2x64x64, slabs of 32 KiB, unfused", unet2d, 2, slabs2d, False),
             ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True),
+            ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains, halo rows convolved", unet2d, 2, slabs2d, True, False),
             # the time-aware plan on a PCIe profile: level-0 tensors recomputed in windows (planning.recompute)
             ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5)", unet3d, 1,
              {**slabs3d, "device_profile": "h100-pcie5"}, True),
@@ -73,27 +77,28 @@ def large_cases(edge: int, profile: str) -> list:
              True)]
 
 
-def measure(label, builder, batch, settings, fused) -> dict:
-    from keras_lms.offload.tensorflow import slab_chains
+def measure(label, builder, batch, settings, fused, exact=True) -> dict:
+    from keras_lms.offload.tensorflow import slab_chains, slab_plan
 
     model = build(builder)
     x_shape, y_shape = shapes(model, batch)
     plain = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False)
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
+    slab_plan.EXACT_ROWS = exact
     try:
         wrapped = keras_lms.wrap(model, **settings)
         sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
         # timed on a profile only to read the plan's own recompute FLOPs (a wrapped model's plan is kept as is)
         rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:], device_profile=TIMING_PROFILE)
     finally:
-        slab_chains.ENABLED = True
+        slab_chains.ENABLED = slab_plan.EXACT_ROWS = True
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
                 measured_out=sim.gpu.sent_bytes - plain.gpu.sent_bytes,
                 measured_in=sim.gpu.received_bytes - plain.gpu.received_bytes,
                 report_out=rep.totals["device_to_host_bytes_per_step"],
                 report_in=rep.totals["host_to_device_bytes_per_step"],
-                old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused,
+                old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused, exact_rows=exact,
                 fused_chains=sum(r["decision"] == "recompute" for r in rep.rows),
                 recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)),
                 peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],

@@ -388,6 +388,31 @@ def test_fused_activation_refuses_an_activation_not_stored_on_the_instance():
         adapter.fused_activation(PropertyActivation(2))
 
 
+@pytest.mark.parametrize("make, shape", [(lambda: keras.layers.Conv2D(3, 3, padding="same"), (2, 6, 5, 2)),
+                                         (lambda: keras.layers.Conv3D(2, 3, padding="same"), (1, 5, 4, 6, 2))])
+def test_valid_convolution_makes_the_layers_own_call_unpadded(make, shape):
+    layer = make()
+    x = keras.ops.convert_to_tensor(np.random.default_rng(3).standard_normal(shape).astype("float32"))
+    same = keras.ops.convert_to_numpy(layer(x))
+    with adapter.valid_convolution(layer):
+        valid = keras.ops.convert_to_numpy(layer(x))
+    canary(valid.shape[1:-1] == tuple(d - 2 for d in shape[1:-1]), "valid_convolution",
+           "BaseConv.convolution_op reads self.padding at call time")
+    interior = (slice(None),) + (slice(1, -1),) * (len(shape) - 2)
+    canary(np.allclose(same[interior], valid, atol=1e-5), "valid_convolution",
+           "the unpadded call is the padded one's interior")
+    assert layer.padding == "same" and keras.ops.convert_to_numpy(layer(x)).shape == same.shape  # restored
+
+
+def test_valid_convolution_refuses_padding_not_stored_on_the_instance():
+    class PropertyPadding(keras.layers.Conv2D):
+        padding = property(lambda self: "same", lambda self, value: None)
+
+    with pytest.raises(RuntimeError, match=r"_keras_adapter\.valid_convolution\(\).*Keras >=3\.15,<3\.16"):
+        with adapter.valid_convolution(PropertyPadding(2, 3)):
+            pass
+
+
 # ---------------------------------------------------------- the fit loop, for keras_lms.BackupAndRestore
 def _sgd_model():
     keras.utils.set_random_seed(0)

@@ -16,7 +16,8 @@ and its docstring says which internals it relies on and why:
   last consumer (:func:`releasing_graph_runs`);
 * :mod:`.layers`: read and attach Keras masks, clear the losses a throw-away planning trace left on the layers,
   and, on TensorFlow, replay BatchNormalization's batch statistics and a Dense/Conv layer's pre-activation in the
-  recompute (:func:`batchnorm_moments_hook`, :func:`batchnorm_reduction_axes`, :func:`fused_activation`);
+  recompute (:func:`batchnorm_moments_hook`, :func:`batchnorm_reduction_axes`, :func:`fused_activation`), and
+  run a convolution's own call unpadded on a slab it padded itself (:func:`valid_convolution`);
 * :mod:`.torch_trees`: on torch, flatten nested structures without the reference cycles Keras' torch tree
   utilities create (:func:`acyclic_torch_trees`), so a tensor dies when its last user drops it, not at the next
   garbage collection;
@@ -61,6 +62,7 @@ from keras_lms._keras_adapter.layers import (  # noqa: E402
     fused_activation,
     get_mask,
     set_mask,
+    valid_convolution,
 )
 from keras_lms._keras_adapter.optimizers import (  # noqa: E402
     optimizer_trainable_variables,
@@ -90,7 +92,8 @@ __all__ = [  # the last line: re-exported from keras_lms._keras_support (public 
     "current_autocast_dtype", "run_stateless", "raw_values", "recording_variable_reads", "original_call",
     "CallInContext", "patched_calls", "clear_losses", "functional_operations", "get_mask", "set_mask",
     "compute_output_spec", "releasing_graph_runs", "acyclic_torch_trees", "batchnorm_moments_hook",
-    "batchnorm_reduction_axes", "fused_activation", "optimizer_variable_key", "optimizer_trainable_variables",
+    "batchnorm_reduction_axes", "fused_activation", "valid_convolution", "optimizer_variable_key",
+    "optimizer_trainable_variables",
     "rmsprop_momentums", "serialize_like", "initial_epoch", "set_initial_epoch", "can_skip_train_steps",
     "skipping_train_function", "global_seed_generator",
     "SUPPORTED_KERAS", "check_keras_version", "is_quantized", "patched_attribute",

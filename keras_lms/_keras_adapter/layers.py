@@ -13,14 +13,19 @@ Keras internals relied on (Keras 3.15), and why:
   attributes;
 * Dense, EinsumDense and the convolution layers store ``activation`` in the instance dict in ``__init__`` and
   read ``self.activation`` at call time: the TensorFlow back end recomputes the pre-activation by shadowing it
-  with ``linear`` and restores exactly what :func:`fused_activation` returned.
+  with ``linear`` and restores exactly what :func:`fused_activation` returned;
+* the convolution layers store ``padding`` in the instance dict and ``BaseConv.convolution_op`` reads
+  ``self.padding`` at call time: the TensorFlow back end runs a slab of a "same" convolution, explicitly padded,
+  through the layer's own ``call`` with ``"valid"`` (:func:`valid_convolution`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 
-from keras_lms._keras_support import SUPPORTED_KERAS
+from keras_lms._keras_support import SUPPORTED_KERAS, patched_attribute
 
 
 def get_mask(x):
@@ -85,3 +90,22 @@ def fused_activation(layer):
             f"the instance, as Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} does; Keras {keras.__version__} does "
             "not. The adapter needs updating for this Keras."
         ) from None
+
+
+@contextlib.contextmanager
+def valid_convolution(layer):
+    """Within the block, a convolution layer's own ``call`` convolves ``"valid"``.
+
+    Why: the TensorFlow back end computes a slab of a ``"same"`` convolution as exactly its rows (``slab_rows``):
+    it pads the window itself and runs the layer's call without padding. Keras 3.15's convolution layers store
+    ``padding`` on the instance and ``BaseConv.convolution_op`` reads ``self.padding`` at call time; the
+    instance value is shadowed for the block and restored exactly.
+    """
+    if "padding" not in vars(layer):
+        raise RuntimeError(
+            f"keras_lms._keras_adapter.valid_convolution() expects {type(layer).__name__} to store `padding` on "
+            f"the instance, as Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]} does; Keras {keras.__version__} does "
+            "not. The adapter needs updating for this Keras."
+        )
+    with patched_attribute(layer, "padding", "valid"):
+        yield

@@ -38,6 +38,8 @@ class RecomputeSource:
         halo: extra rows the producer needs on each side of a window of its output.
         flops_per_row / bytes_per_row: the producer's forward kernel FLOPs and memory-bound bytes per output row.
         chosen: False for tensors the back end recomputes by itself (fused chains), whatever the planner says.
+        exact_rows: the producer computes exactly the window's rows from its widened inputs (its FLOPs are those
+            of the rows read), instead of convolving the widened window and cropping.
     """
 
     key: object
@@ -48,6 +50,7 @@ class RecomputeSource:
     flops_per_row: float
     bytes_per_row: float
     chosen: bool = True
+    exact_rows: bool = False
 
 
 @dataclasses.dataclass
@@ -73,14 +76,15 @@ class ExpandedRead:
 def expand_read(key, size: int, rows: float, windows: int, length: int, sources: dict) -> ExpandedRead:
     """A read of ``rows`` rows, in ``windows`` windows, of tensor ``key`` (``size`` bytes, ``length`` rows):
     itself when it has a host copy (``key`` not in ``sources``), else the reads of its producer's inputs over
-    windows widened by the producer's halo, recursively, plus the producer's forward on those rows."""
+    windows widened by the producer's halo, recursively, plus the producer's forward on those rows (on the rows
+    read, for a producer that computes exactly them)."""
     out = ExpandedRead()
     source = sources.get(key)
     if source is None:
         out.leaves[key] = (size, size * rows / max(length, 1))
         return out
     widened = min(rows + 2 * source.halo * windows, source.length * windows)
-    out.flops += source.flops_per_row * widened
+    out.flops += source.flops_per_row * (rows if source.exact_rows else widened)
     out.elementwise_bytes += source.bytes_per_row * widened
     for input_key, input_size in source.inputs:
         out.add(expand_read(input_key, input_size, widened, windows, source.length, sources))

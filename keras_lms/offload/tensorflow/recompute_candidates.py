@@ -56,7 +56,7 @@ def recompute_sources(calls, offloaded, slabs: dict, chains: dict, parts: dict, 
             continue
         sources[call.output_keys[0]] = RecomputeSource(
             call.output_keys[0], p, tuple((k, s) for k, s, _ in inputs), plan.length, plan.halo,
-            *_per_row(call, plan.length, batch_size))
+            *_per_row(call, plan.length, batch_size), exact_rows=plan.exact_rows)
     return sources
 
 

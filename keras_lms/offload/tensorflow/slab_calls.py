@@ -4,12 +4,14 @@ host (the mechanism and why: ``slabs``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
-from keras_lms.offload.tensorflow import output_gradients, slabs
+from keras_lms.offload.tensorflow import output_gradients, slab_rows, slabs
 from keras_lms.offload.tensorflow.devices import on_device as _on_device
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments, given_moments
 from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, RecomputedWindows
@@ -21,13 +23,29 @@ class SlabCalls(RecomputedWindows):
     it reads the context's ``host``, ``host_copies`` and ``produced_at``)."""
 
     def _slab_call(self, record, windows, values, moments=None):
-        """Run the layer on slab ``windows`` (the parts of a concatenation are concatenated here)."""
+        """Run the layer on slab ``windows`` (the parts of a concatenation are concatenated here). An exact-rows
+        convolution (``slab_rows``) takes windows of ``s1 - s0 + 2h`` rows and returns rows [s0, s1)."""
         if record.concatenated:
             windows = [tf.concat(windows, -1)]
+        exact = record.slabs is not None and record.slabs.exact_rows
+        if exact:
+            windows = [slab_rows.padded(w, record.unit, 0, 0) for w in windows]
         call_args, call_kwargs = common.rebuild(record.template, record.positions, windows)
-        with given_moments(record.unit, moments):
+        with given_moments(record.unit, moments), (slab_rows.valid_call(record.unit) if exact
+                                                   else contextlib.nullcontext()):
             return adapter.run_stateless(record.unit, record.original, values, record.snapshot, call_args,
                                          call_kwargs, record.autocast)
+
+    def _exact_input_gradients(self, record, windows, dy):
+        """An exact-rows convolution's input gradients of rows [s0, s1) from ``dy`` (its rows [s0 - h, s1 + h),
+        padded), split into the parts of a concatenated input (``slab_rows.input_gradient``)."""
+        dy = slab_rows.padded(dy, record.unit, 0, 0)
+        grad, _, _ = adapter.run_stateless(record.unit, lambda g: slab_rows.input_gradient(record.unit, g),
+                                           record.trainable, record.snapshot, (dy,), {}, record.autocast)
+        if len(windows) == 1:
+            return [tf.cast(grad, windows[0].dtype)]
+        parts = tf.split(grad, [w.shape[-1] for w in windows], axis=-1)
+        return [tf.cast(g, w.dtype) for g, w in zip(parts, windows)]
 
     def _slab_forward(self, record, xs, values):
         """The forward of a slab-computed call (slabs.forward); BatchNormalization's batch statistics first."""
@@ -173,6 +191,13 @@ class SlabCalls(RecomputedWindows):
                        else self._slab_moment_gradients(record, dy, trigger))
 
         def differentiate(windows, dy_inputs, dy_weights):
+            if plan.exact_rows:  # slab_rows: the weights from the "valid" call, the inputs from dy alone
+                with _on_device(device):
+                    with tf.GradientTape(watch_accessed_variables=False) as tape:
+                        tape.watch(weights)
+                        outputs, _, _ = self._slab_call(record, windows, record.trainable, moments)
+                    weight_grads = tape.gradient(tf.nest.flatten(outputs)[0], weights, output_gradients=dy_weights)
+                    return self._exact_input_gradients(record, windows, dy_inputs), weight_grads
             with _on_device(device):
                 with tf.GradientTape(persistent=dy_inputs is not dy_weights, watch_accessed_variables=False) as tape:
                     tape.watch(windows + weights)

@@ -18,7 +18,8 @@ row i reads input rows i-h..i+h; where it is cut: ``slab_plan``):
   brought back alone; the window is recomputed and differentiated with the output gradient restricted to
   rows [s0-h, s1+h) for the input gradient (exact: every output row that reads input rows [s0, s1) is
   correct in the window) and to rows [s0, s1) for the weight gradients (each output row counted once);
-  the pieces are concatenated;
+  the pieces are concatenated. A plain "same" convolution computes exactly its slab's rows instead, from the
+  forward's window [s0-h, s1+h) (``slab_rows``: no halo rows convolved, half the halo rows brought back);
 * BatchNormalization's backward takes two passes: the first sums, over slabs, the gradient reaching the batch
   mean and variance; the second differentiates each slab with that total routed through the statistics
   exactly as TensorFlow's own ``reduce_mean`` / ``squared_difference`` gradients do;
@@ -145,8 +146,13 @@ def forward(run, window_of, n_inputs: int, plan: SlabPlan):
     for s0, s1 in plan.bounds:
         a, b = plan.forward_window(s0, s1)
         windows = [window_of(i, a, b, prev) for i in range(n_inputs)]
-        output, new_state, losses = run(windows)
-        piece = rows(output, s0 - a, s1 - a) if (a, b) != (s0, s1) else output
+        if plan.exact_rows:  # run() convolves "valid": its output is rows [s0, s1) (slab_rows)
+            output, new_state, losses = run([pad_rows(w, a - (s0 - plan.halo), s1 + plan.halo - b)
+                                             for w in windows])
+            piece = output
+        else:
+            output, new_state, losses = run(windows)
+            piece = rows(output, s0 - a, s1 - a) if (a, b) != (s0, s1) else output
         pieces.append(layout_fence(piece))
         prev = piece
         if first is None:
@@ -173,7 +179,9 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
     recomputes the call on the windows and returns (input gradients of the windows, weight gradients) for the
     two upstream gradients (the same tensor when the layer has no halo). ``on_piece(s0, s1, a, b, pieces)``,
     when given, runs after each slab with its exact input-gradient pieces (rows [s0, s1)) and returns tensors
-    the next slabs wait for (a fused chain's further gradients: slab_chains).
+    the next slabs wait for (a fused chain's further gradients: slab_chains). For an ``exact_rows`` plan
+    (slab_rows) the windows and ``dy_inputs`` come zero-padded to ``s1 - s0 + 2h`` rows, ``dy_weights`` is
+    dy's rows [s0, s1), and ``differentiate`` returns the input gradients of rows [s0, s1) only.
     """
     pieces = [[] for _ in range(n_inputs)]
     weight_parts = [[] for _ in range(n_weights)]
@@ -187,13 +195,22 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
         with gated([prev_piece]):
             # output rows, in the output's own rows (a tiling pooling has halo 0 and output rows = rows/stride)
             g0, g1, oa, ob, o0, o1 = (v // plan.stride for v in (*plan.gradient_rows(s0, s1), a, b, s0, s1))
-            dy_inputs = pad_rows(rows(dy, g0, g1), g0 - oa, ob - g1)
-            dy_weights = dy_inputs if (g0, g1) == (o0, o1) else pad_rows(rows(dy, o0, o1), o0 - oa, ob - o1)
+            if plan.exact_rows:
+                # slab_rows: windows and the input gradient's rows [s0 - h, s1 + h) of dy padded to full width;
+                # the weight gradients read dy's rows [s0, s1), the "valid" call's output rows
+                h = plan.halo
+                windows = [pad_rows(w, a - (s0 - h), s1 + h - b) for w in windows]
+                dy_inputs = pad_rows(rows(dy, g0, g1), g0 - (s0 - h), s1 + h - g1)
+                dy_weights = rows(dy, s0, s1)
+            else:
+                dy_inputs = pad_rows(rows(dy, g0, g1), g0 - oa, ob - g1)
+                dy_weights = dy_inputs if (g0, g1) == (o0, o1) else pad_rows(rows(dy, o0, o1), o0 - oa, ob - o1)
         input_grads, weight_grads = differentiate(windows, dy_inputs, dy_weights)
         done = []
         for i, g in enumerate(input_grads):
             if g is not None:
-                pieces[i].append(layout_fence(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g))
+                exact = plan.exact_rows or (a, b) == (s0, s1)  # an exact slab's input gradient is rows [s0, s1)
+                pieces[i].append(layout_fence(g if exact else rows(g, s0 - a, s1 - a)))
                 done.append(pieces[i][-1])
         for j, g in enumerate(weight_grads):
             if g is not None:

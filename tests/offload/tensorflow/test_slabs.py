@@ -145,6 +145,40 @@ def test_float64_differences_are_rounding(dtype_policy, slab_spy):
                           rng.random((4, 32, 32, 1)))
     assert max(result["grads"].values()) <= 1e-12, result["grads"]
     assert max(result["state"].values()) <= 1e-12, result["state"]
+    # exact-row convolutions (slab_rows), over a concatenation too, with fused BatchNorm -> ReLU chains
+    model = bn_unet2d()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
+    result = compare_step(model, wrapped, rng.random((4, 32, 32, 1)))
+    assert max(result["grads"].values()) <= 1e-12, result["grads"]
+    assert max(result["state"].values()) <= 1e-12, result["state"]
+    assert result["loss"] <= 1e-12 and result["outputs"] <= 1e-12
+
+
+def test_same_convolutions_compute_exactly_their_slab_rows(slab_spy, monkeypatch):
+    """slab_rows: the U-Net's "same" convolutions (over a concatenation too) are planned exact, their backward
+    windows are the forward's; the control (EXACT_ROWS off) plans none and still matches the plain model."""
+    from keras_lms.offload.tensorflow import slab_plan
+
+    plans = []
+    backward = tf_slabs.backward
+
+    def recording_backward(plan, *args, **kwargs):
+        plans.append(plan)
+        return backward(plan, *args, **kwargs)
+
+    monkeypatch.setattr(tf_slabs, "backward", recording_backward)
+    keras.utils.set_random_seed(SEED)
+    model = bn_unet2d()
+    x = images(size=32, channels=1, rng=np.random.default_rng(SEED))
+    assert_matches(model, keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB), x, tol=SLAB_TOL)
+    exact = [p for p in plans if p.exact_rows]
+    assert len(exact) >= 4 and all(p.halo == 1 for p in exact), plans
+    assert all(p.backward_window(*b) == p.forward_window(*b) for p in exact for b in p.bounds)
+    plans.clear()
+    monkeypatch.setattr(slab_plan, "EXACT_ROWS", False)
+    assert_matches(model, keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB), x, tol=SLAB_TOL)
+    assert plans and not any(p.exact_rows for p in plans)
+    assert any(p.backward_window(*p.bounds[1]) != p.forward_window(*p.bounds[1]) for p in plans if p.halo)
 
 
 def _fit_one_step(model, candidate, x, y, start):
@@ -243,6 +277,24 @@ def test_slab_bounds_cover_the_axis_and_align():
 ])
 def test_which_layers_are_cut_into_slabs(layer, halo):
     assert layer_facts.slab_halo(layer, 4) == halo
+
+
+@pytest.mark.parametrize("layer, exact", [
+    (keras.layers.Conv3D(4, 3, padding="same"), True),
+    (keras.layers.Conv2D(4, (5, 3), padding="same", use_bias=False), True),
+    (keras.layers.Conv1D(4, 3, padding="same"), True),
+    (keras.layers.Conv2D(4, 3, padding="same", activation="relu"), False),  # the input gradient reads the output
+    (keras.layers.Conv2D(4, 3, padding="same", dilation_rate=2), False),
+    (keras.layers.Conv2D(4, (3, 2), padding="same"), False),  # even kernel: asymmetric padding
+    (keras.layers.Conv2D(4, 3, padding="same", groups=2), False),
+    (keras.layers.Conv2DTranspose(4, 3, padding="same"), False),
+    (keras.layers.DepthwiseConv2D(3, padding="same"), False),
+    (keras.layers.BatchNormalization(), False),
+])
+def test_which_convolutions_compute_exact_rows(layer, exact):
+    from keras_lms.offload.tensorflow import slab_plan
+
+    assert slab_plan.computes_exact_rows(layer) == exact
 
 
 def test_plan_slabs_sizes():

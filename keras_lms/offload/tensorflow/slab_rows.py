@@ -1,0 +1,71 @@
+"""Exact-row convolution slabs: a slab of a "same" convolution computed as exactly its own rows.
+
+Why: a slab of rows ``[s0, s1)`` of a convolution with halo ``h`` needs input rows ``[s0 - h, s1 + h)``. Run
+"same" on that window, the convolution also computes the ``2h`` rows at its edges, which are cropped; its
+backward differentiated the same call on a window twice as wide (``[s0 - 2h, s1 + 2h)``, so that every output
+row reading the slab's rows is in it) and convolved ``4h`` extra rows for each gradient. With 14-row slabs of
+a 3x3x3 convolution that was 23% more convolution FLOPs in the step, and 29% more rows of every input brought
+back from the host where 14% suffice.
+
+How (``SlabPlan.exact_rows``, chosen by ``slab_plan.computes_exact_rows``):
+
+* the window is zero-padded to exactly ``s1 - s0 + 2h`` rows where it meets the tensor's edge (what "same"
+  pads there) and by the kernel's half width along every other spatial axis, and the layer's own ``call`` runs
+  on it with ``padding="valid"``: its output is rows ``[s0, s1)``, nothing cropped (``padded`` and
+  ``valid_call``);
+* the weight gradients differentiate that call with the output gradient's rows ``[s0, s1)``: each output row
+  once, as in the whole call;
+* the input gradient of rows ``[s0, s1)`` is the output gradient's rows ``[s0 - h, s1 + h)``, zero-padded the
+  same way, convolved "valid" with the kernel flipped along its spatial axes and its channel axes swapped
+  (``input_gradient``): the transposed convolution of a stride-1 "same" convolution with an odd kernel, which
+  needs no input rows. The backward's window is therefore the forward's, ``[s0 - h, s1 + h)``, read for the
+  weight gradient only.
+
+The values are the whole call's: the same products, summed in another order (float64 agrees to 1e-12,
+``tests/offload/tensorflow/test_slabs.py``). ``tests/offload/tensorflow/test_slab_rows.py`` checks the
+executed graph: every convolution of an exact slab convolves its slab's rows and no more.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_lms import _keras_adapter as adapter
+from keras_lms.offload.tensorflow.slab_plan import AXIS
+
+
+def _half_widths(unit) -> list:
+    return [(k - 1) // 2 for k in unit.kernel_size]
+
+
+def padded(x, unit, before: int, after: int):
+    """``x`` with ``before``/``after`` zero rows along AXIS and the kernel's half width of zeros on both sides
+    of every other spatial axis: the padding "same" would add, made explicit for a "valid" call."""
+    halves = _half_widths(unit)
+    paddings = [[0, 0]] + [[h, h] for h in halves] + [[0, 0]]
+    paddings[AXIS] = [before, after]
+    if not any(p for pair in paddings for p in pair):
+        return x
+    if not tf.executing_eagerly() and isinstance(x, tf.Tensor) and x.op.type in ("Pad", "PadV2"):
+        # A window at the tensor's edge arrives padded along AXIS. TensorFlow 2.21's CPU remapper fuses
+        # Pad -> Pad -> Conv3D into one convolution with the *first* Pad's paddings only (the output came out
+        # two columns short); an EnsureShape between the pads (no copy) keeps the fusion to the adjacent Pad.
+        x = tf.ensure_shape(x, x.shape, name="lms_pad_fence")
+    return tf.pad(x, paddings)
+
+
+def valid_call(unit):
+    """Within the block, the convolution's own ``call`` convolves ``"valid"`` (``adapter.valid_convolution``;
+    canary in tests/test_keras_adapter.py)."""
+    return adapter.valid_convolution(unit)
+
+
+def input_gradient(unit, dy):
+    """The input gradient of rows ``[s0, s1)`` from ``dy``, the output gradient's rows ``[s0 - h, s1 + h)``
+    already padded (``padded``): ``dy`` convolved "valid" with the flipped, channel-swapped kernel. Runs inside
+    the layer's stateless scope (``adapter.run_stateless``), where ``unit.kernel`` is the forward's value."""
+    kernel = tf.cast(tf.convert_to_tensor(unit.kernel), dy.dtype)
+    rank = len(unit.kernel_size)
+    flipped = tf.reverse(kernel, list(range(rank)))
+    swapped = tf.transpose(flipped, list(range(rank)) + [rank + 1, rank])
+    return tf.nn.convolution(dy, swapped, strides=1, padding="VALID")
