@@ -37,15 +37,13 @@ class SlabCalls(RecomputedWindows):
                                          call_kwargs, record.autocast)
 
     def _exact_input_gradients(self, record, windows, dy):
-        """An exact-rows convolution's input gradients of rows [s0, s1) from ``dy`` (its rows [s0 - h, s1 + h),
-        padded), split into the parts of a concatenated input (``slab_rows.input_gradient``)."""
-        dy = slab_rows.padded(dy, record.unit, 0, 0)
+        """An exact-rows convolution's input gradient of the window's rows from ``dy``, the output gradient's
+        same rows (``slab_rows.input_gradient``; slabs.backward crops it). One input: a convolution over a
+        concatenation is not planned exact (``slab_plan.plan_slabs``)."""
+        (window,) = windows
         grad, _, _ = adapter.run_stateless(record.unit, lambda g: slab_rows.input_gradient(record.unit, g),
                                            record.trainable, record.snapshot, (dy,), {}, record.autocast)
-        if len(windows) == 1:
-            return [tf.cast(grad, windows[0].dtype)]
-        parts = tf.split(grad, [w.shape[-1] for w in windows], axis=-1)
-        return [tf.cast(g, w.dtype) for g, w in zip(parts, windows)]
+        return [tf.cast(grad, window.dtype)]
 
     def _slab_forward(self, record, xs, values):
         """The forward of a slab-computed call (slabs.forward); BatchNormalization's batch statistics first."""

@@ -7,7 +7,8 @@ forward of a convolution over a channel concatenation reads the parts older than
 their host copies, rows ``[s0 - h, s1 + h)``. Halos also cost FLOPs: each slab's forward convolves its
 ``s1 - s0 + 2h`` rows, and its backward convolves the ``s1 - s0 + 4h`` rows of its window for the input and the
 weight gradient (zeros outside the slab's own rows still multiply). A plain "same" convolution computes
-exactly its slab's rows instead (``slab_rows``): no halo FLOPs, and its backward reads ``[s0 - h, s1 + h)``.
+exactly its slab's rows instead (``slab_rows``): no halo FLOPs but its input gradient's ``2h`` rows, and its
+backward reads ``[s0 - h, s1 + h)``.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabT
 
 
 def slab_flop_factors(unit, plan) -> tuple:
-    """(forward, backward) multipliers of a slab-computed kernel call's FLOPs (halos recomputed; none for an
-    exact-rows convolution, ``slab_rows``)."""
-    if plan.exact_rows:
-        return 1.0, 1.0
+    """(forward, backward) multipliers of a slab-computed kernel call's FLOPs (halos recomputed; for an exact-rows
+    convolution, ``slab_rows``, only its input gradient's)."""
+    if plan.exact_rows:  # the input gradient (half the backward) convolves the window's rows, the rest the slab's
+        return 1.0, (1.0 + forward_row_factor(plan)) / 2
     forward = forward_row_factor(plan) if computes_in_slabs_forward(unit) else 1.0
     return forward, backward_row_factor(plan)

@@ -5,7 +5,8 @@ Why: a slab of rows ``[s0, s1)`` of a convolution with halo ``h`` needs input ro
 backward differentiated the same call on a window twice as wide (``[s0 - 2h, s1 + 2h)``, so that every output
 row reading the slab's rows is in it) and convolved ``4h`` extra rows for each gradient. With 14-row slabs of
 a 3x3x3 convolution that was 23% more convolution FLOPs in the step, and 29% more rows of every input brought
-back from the host where 14% suffice.
+back from the host where 14% suffice. Now the forward and the weight gradient convolve no extra row and the
+input gradient ``2h``.
 
 How (``SlabPlan.exact_rows``, chosen by ``slab_plan.computes_exact_rows``):
 
@@ -15,11 +16,12 @@ How (``SlabPlan.exact_rows``, chosen by ``slab_plan.computes_exact_rows``):
   ``valid_call``);
 * the weight gradients differentiate that call with the output gradient's rows ``[s0, s1)``: each output row
   once, as in the whole call;
-* the input gradient of rows ``[s0, s1)`` is the output gradient's rows ``[s0 - h, s1 + h)``, zero-padded the
-  same way, convolved "valid" with the kernel flipped along its spatial axes and its channel axes swapped
-  (``input_gradient``): the transposed convolution of a stride-1 "same" convolution with an odd kernel, which
-  needs no input rows. The backward's window is therefore the forward's, ``[s0 - h, s1 + h)``, read for the
-  weight gradient only.
+* the input gradient is the transposed convolution of the output gradient's rows ``[s0 - h, s1 + h)``, cropped
+  to ``[s0, s1)`` (``input_gradient``): it needs no input rows, so the backward's window is the forward's,
+  ``[s0 - h, s1 + h)``, read for the weight gradient only. It convolves the ``2h`` rows it crops (a flipped-
+  kernel "valid" convolution would not, but its flipped kernel, one tensor shared by all slabs, was swapped by
+  grappler's memory optimizer on a 16 GiB GPU: 22-24 tiny swaps per step, where the kernel itself is never a
+  candidate).
 
 The values are the whole call's: the same products, summed in another order (float64 agrees to 1e-12,
 ``tests/offload/tensorflow/test_slabs.py``). ``tests/offload/tensorflow/test_slab_rows.py`` checks the
@@ -61,11 +63,11 @@ def valid_call(unit):
 
 
 def input_gradient(unit, dy):
-    """The input gradient of rows ``[s0, s1)`` from ``dy``, the output gradient's rows ``[s0 - h, s1 + h)``
-    already padded (``padded``): ``dy`` convolved "valid" with the flipped, channel-swapped kernel. Runs inside
-    the layer's stateless scope (``adapter.run_stateless``), where ``unit.kernel`` is the forward's value."""
+    """The input gradient of rows ``[s0 - h, s1 + h)`` from ``dy``, the output gradient's same rows (clamped to
+    the tensor): the transposed convolution of a stride-1 "same" convolution, which reads the kernel and no input
+    rows. Its rows ``[s0, s1)`` are exact (each reads ``dy`` rows within ``h`` of it); the ``h`` rows at each end
+    see zeros beyond the window and are cropped by the caller. Runs inside the layer's stateless scope
+    (``adapter.run_stateless``), where ``unit.kernel`` is the forward's value."""
     kernel = tf.cast(tf.convert_to_tensor(unit.kernel), dy.dtype)
-    rank = len(unit.kernel_size)
-    flipped = tf.reverse(kernel, list(range(rank)))
-    swapped = tf.transpose(flipped, list(range(rank)) + [rank + 1, rank])
-    return tf.nn.convolution(dy, swapped, strides=1, padding="VALID")
+    output_shape = tf.concat([tf.shape(dy)[:-1], tf.shape(kernel)[-2:-1]], 0)
+    return tf.nn.conv_transpose(dy, kernel, output_shape, strides=1, padding="SAME")

@@ -180,8 +180,8 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
     two upstream gradients (the same tensor when the layer has no halo). ``on_piece(s0, s1, a, b, pieces)``,
     when given, runs after each slab with its exact input-gradient pieces (rows [s0, s1)) and returns tensors
     the next slabs wait for (a fused chain's further gradients: slab_chains). For an ``exact_rows`` plan
-    (slab_rows) the windows and ``dy_inputs`` come zero-padded to ``s1 - s0 + 2h`` rows, ``dy_weights`` is
-    dy's rows [s0, s1), and ``differentiate`` returns the input gradients of rows [s0, s1) only.
+    (slab_rows) the windows come zero-padded to ``s1 - s0 + 2h`` rows, ``dy_inputs`` is dy's rows of the window
+    and ``dy_weights`` dy's rows [s0, s1).
     """
     pieces = [[] for _ in range(n_inputs)]
     weight_parts = [[] for _ in range(n_weights)]
@@ -196,11 +196,10 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
             # output rows, in the output's own rows (a tiling pooling has halo 0 and output rows = rows/stride)
             g0, g1, oa, ob, o0, o1 = (v // plan.stride for v in (*plan.gradient_rows(s0, s1), a, b, s0, s1))
             if plan.exact_rows:
-                # slab_rows: windows and the input gradient's rows [s0 - h, s1 + h) of dy padded to full width;
-                # the weight gradients read dy's rows [s0, s1), the "valid" call's output rows
-                h = plan.halo
-                windows = [pad_rows(w, a - (s0 - h), s1 + h - b) for w in windows]
-                dy_inputs = pad_rows(rows(dy, g0, g1), g0 - (s0 - h), s1 + h - g1)
+                # slab_rows: windows padded to full width for the "valid" call, whose output rows [s0, s1) the
+                # weight gradients read; the input gradient is the transposed convolution of dy's rows [a, b)
+                windows = [pad_rows(w, a - (s0 - plan.halo), s1 + plan.halo - b) for w in windows]
+                dy_inputs = rows(dy, g0, g1)
                 dy_weights = rows(dy, s0, s1)
             else:
                 dy_inputs = pad_rows(rows(dy, g0, g1), g0 - oa, ob - g1)
@@ -209,8 +208,7 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
         done = []
         for i, g in enumerate(input_grads):
             if g is not None:
-                exact = plan.exact_rows or (a, b) == (s0, s1)  # an exact slab's input gradient is rows [s0, s1)
-                pieces[i].append(layout_fence(g if exact else rows(g, s0 - a, s1 - a)))
+                pieces[i].append(layout_fence(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g))
                 done.append(pieces[i][-1])
         for j, g in enumerate(weight_grads):
             if g is not None:
