@@ -24,8 +24,9 @@ How (``SlabPlan.exact_rows``, chosen by ``slab_plan.computes_exact_rows``):
   candidate).
 
 The values are the whole call's: the same products, summed in another order (float64 agrees to 1e-12,
-``tests/offload/tensorflow/test_slabs.py``). ``tests/offload/tensorflow/test_slab_rows.py`` checks the
-executed graph: every convolution of an exact slab convolves its slab's rows and no more.
+``tests/offload/tensorflow/test_slabs.py``). ``tests/offload/tensorflow/test_link_traffic.py`` counts the
+convolution FLOPs and the bytes brought back in the executed graph beside the control that convolves every
+window whole (``slab_plan.EXACT_ROWS = False``).
 """
 
 from __future__ import annotations
