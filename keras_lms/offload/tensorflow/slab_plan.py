@@ -90,11 +90,7 @@ def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int, output_bytes: int = 0
     if count < 2:
         return None
     moments = isinstance(unit, keras.layers.BatchNormalization)
-    # Not over a concatenation (a U-Net decoder's first convolution), though slab_rows computes it exactly too: on
-    # a 16 GiB GPU that moved grappler's static memory estimate at 400^3 (19.4 GiB, three whole-size layout
-    # transposes of the up-sampling's gradient) to a time where that 3.8 GiB gradient qualified for one of its
-    # memory optimizer's swaps, which in one run of two took the executed peak from 15.8 to 16.7 GiB.
-    exact = EXACT_ROWS and halo > 0 and computes_exact_rows(unit) and len(shapes) == 1
+    exact = EXACT_ROWS and halo > 0 and computes_exact_rows(unit)
     return SlabPlan(length, slab_bounds(length, count, stride), halo, moments, stride, exact)
 
 

@@ -64,7 +64,8 @@ def layout_fence(x):
     384^3 it saw 145 GiB for a step that needs 14, and swapped by itself (issue 28). ``EnsureShape`` is not
     layout-agnostic, so the optimiser stops at it: a fenced whole tensor gets one transpose at most, and slab
     pieces fenced before their concatenation keep the assembled tensor channels-last, with window-sized
-    transposes only.
+    transposes only. (Not the gradient pieces of a part whose producer runs whole: ``backward``'s ``fenced``,
+    ``SlabCalls._fenced_gradients``.)
     """
     if tf.executing_eagerly() or not isinstance(x, tf.Tensor) or x.shape.rank is None:
         return x
@@ -171,7 +172,8 @@ class SlabGradients:
     foreign: list
 
 
-def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weights: int, on_piece=None):
+def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weights: int, on_piece=None,
+             fenced=None):
     """Differentiate a call slab by slab (see the module docstring).
 
     ``window_of(i, a, b, gate)`` returns input ``i``'s rows [a, b) on the device, cut after ``gate`` (a
@@ -181,7 +183,8 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
     when given, runs after each slab with its exact input-gradient pieces (rows [s0, s1)) and returns tensors
     the next slabs wait for (a fused chain's further gradients: slab_chains). For an ``exact_rows`` plan
     (slab_rows) the windows come zero-padded to ``s1 - s0 + 2h`` rows, ``dy_inputs`` is dy's rows of the window
-    and ``dy_weights`` dy's rows [s0, s1).
+    and ``dy_weights`` dy's rows [s0, s1). ``fenced[i]`` (default: every input) says whether input ``i``'s
+    gradient pieces pass ``layout_fence`` before their concatenation.
     """
     pieces = [[] for _ in range(n_inputs)]
     weight_parts = [[] for _ in range(n_weights)]
@@ -208,7 +211,8 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
         done = []
         for i, g in enumerate(input_grads):
             if g is not None:
-                pieces[i].append(layout_fence(rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g))
+                piece = rows(g, s0 - a, s1 - a) if (a, b) != (s0, s1) else g
+                pieces[i].append(layout_fence(piece) if fenced is None or fenced[i] else piece)
                 done.append(pieces[i][-1])
         for j, g in enumerate(weight_grads):
             if g is not None:

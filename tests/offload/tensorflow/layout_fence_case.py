@@ -1,11 +1,13 @@
 """Run in a fresh process by test_layout_fence.py (the logical CPUs must be set before TensorFlow starts).
 
-    python layout_fence_case.py [--unfenced] EDGE SLAB_BYTES
+    python layout_fence_case.py [--unfenced | --fence-every-piece] EDGE SLAB_BYTES
 
 A wrapped float32 3D U-Net (two levels) computed in slabs: grappler's memory estimate (what its memory
 optimizer decides by), the simulated peak, and the layout optimiser's most transposes of one full-resolution
 tensor before the memory pass. ``--unfenced`` replaces ``slabs.layout_fence`` by the identity: the slabs as
-they were before issue 28 (the control). Prints one JSON object.
+they were before issue 28 (the control). ``--fence-every-piece`` also fences the gradient pieces of a
+concatenation's part whose producer runs whole (the up-sampling's gradient), as before issue 26's exact rows:
+the control of ``SlabCalls._fenced_gradients``. Prints one JSON object.
 """
 
 import collections
@@ -26,11 +28,14 @@ import numpy as np  # noqa: E402
 import keras_lms  # noqa: E402
 from benchmarks.models import build_unet  # noqa: E402
 from keras_lms.offload.tensorflow import slabs  # noqa: E402
+from keras_lms.offload.tensorflow.slab_calls import SlabCalls  # noqa: E402
 from keras_lms.testing import simulated_gpu, virtual_cluster  # noqa: E402
 
-args = [a for a in sys.argv[1:] if a != "--unfenced"]
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
 if "--unfenced" in sys.argv:
     slabs.layout_fence = lambda x: x
+if "--fence-every-piece" in sys.argv:
+    SlabCalls._fenced_gradients = lambda self, record: None
 edge, slab_bytes = int(args[0]), args[1]
 model = keras_lms.wrap(build_unet((edge, edge, edge, 1), depth=2, base_filters=16, dropout=0),
                        host_device=HOST_STAND_IN, slab_bytes=slab_bytes, min_bytes=0)

@@ -33,9 +33,22 @@ def run_case(*flags):
 def test_grappler_estimates_the_fenced_step_near_its_simulated_peak():
     fenced = run_case()
     assert fenced["fences"] > 0, fenced
-    # measured 3 and 0.89x; before the fence 48 and 6.6x (the control below)
-    assert fenced["most_transposes_of_one_tensor"] <= 3, fenced
+    # measured 2 and 0.74x; before the fence 48 and 6.6x (the control below)
+    assert fenced["most_transposes_of_one_tensor"] <= 2, fenced
     assert fenced["estimate"] <= 1.5 * fenced["peak"], fenced
+
+
+def test_the_gradient_of_a_whole_producer_is_assembled_unfenced():
+    """The up-sampling (a transposed convolution, run whole) reads its gradient, assembled from the decoder
+    convolution's slab pieces, with three ops the layout optimiser runs channels-first. Fenced pieces keep the
+    assembled gradient channels-last and it gets three whole-size transposes before the memory pass: at 400^3
+    float32 they put grappler's estimate at 19.1 GiB (16.75 without them) and, with exact-row convolutions, made
+    it swap that 3.8 GiB gradient. Unfenced, the layout optimiser assembles it channels-first from window-sized
+    transposes. The control fences every piece, as before."""
+    rule, control = run_case(), run_case("--fence-every-piece")
+    assert control["most_transposes_of_one_tensor"] == 3, control  # the up-sampling's gradient, three times
+    assert rule["most_transposes_of_one_tensor"] < control["most_transposes_of_one_tensor"], (rule, control)
+    assert rule["estimate"] < control["estimate"], (rule, control)
 
 
 def test_control_unfenced_slabs_copy_a_tensor_per_window():

@@ -145,7 +145,7 @@ def test_float64_differences_are_rounding(dtype_policy, slab_spy):
                           rng.random((4, 32, 32, 1)))
     assert max(result["grads"].values()) <= 1e-12, result["grads"]
     assert max(result["state"].values()) <= 1e-12, result["state"]
-    # exact-row convolutions (slab_rows), with fused BatchNorm -> ReLU chains
+    # exact-row convolutions (slab_rows), over a concatenation too, with fused BatchNorm -> ReLU chains
     model = bn_unet2d()
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
     result = compare_step(model, wrapped, rng.random((4, 32, 32, 1)))
@@ -155,9 +155,8 @@ def test_float64_differences_are_rounding(dtype_policy, slab_spy):
 
 
 def test_same_convolutions_compute_exactly_their_slab_rows(slab_spy, monkeypatch):
-    """slab_rows: the U-Net's "same" convolutions are planned exact (not the decoder's over a concatenation:
-    slab_plan.plan_slabs says why), their backward windows are the forward's; the control (EXACT_ROWS off) plans
-    none and still matches the plain model."""
+    """slab_rows: the U-Net's "same" convolutions (over a concatenation too) are planned exact, their backward
+    windows are the forward's; the control (EXACT_ROWS off) plans none and still matches the plain model."""
     from keras_lms.offload.tensorflow import slab_plan
 
     plans = []
