@@ -1,0 +1,198 @@
+"""Device and host memory of one Keras training step on the JAX back end, compiled for an H100 without one.
+
+    KERAS_BACKEND=jax JAX_PLATFORMS=cpu python benchmarks/jax_compiled_memory.py            # the three U-Nets
+    KERAS_BACKEND=jax JAX_PLATFORMS=cpu python benchmarks/jax_compiled_memory.py --quick    # a small U-Net
+    ... --variants plain,host_residuals --models 3d48 --json out.json
+
+Needs the jax CUDA plugin (``pip install "jax[cuda12]"``), no GPU: each step (forward, MSE loss, gradients,
+Adam update; Keras' ``compute_loss_and_updates`` and ``optimizer.stateless_apply``, state donated as ``fit``
+does) is lowered and compiled by XLA's GPU pipeline for the H100 of ``keras_lms/offload/jax/h100_target_config.txtpb``
+(`keras_lms.offload.jax.deviceless`). Per model and variant it prints the compiled program's device temporaries,
+arguments and host (``S(5)``) temporaries, the asynchronous copies to and from host memory in its HLO, the bytes
+the variant meant to keep on host, and device temp relative to the plain step.
+
+Variants (each layer's call but the input and Concatenate is intercepted; ``docs/jax_findings.md``):
+
+- ``plain``: the Keras step as ``fit`` runs it.
+- ``naive``: each layer under ``jax.checkpoint`` with ``save_and_offload_only_these_names``, its inputs named
+  for offload (`host_residuals.checkpoint_offload_call`): the negative control.
+- ``whole``: one ``jax.checkpoint`` with the offload policy around the whole forward, each layer's output named.
+- ``host_residuals``: `host_residuals.host_residual_call` (custom_vjp, pullback residuals on host, ordered by
+  optimisation barriers).
+- ``<variant>+lhs``: the same compiled with XLA's latency-hiding scheduler and a 16 GiB memory limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.models, run as a script
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from benchmarks.models import unet  # noqa: E402 - the U-Nets of docs/benchmarks.md
+from keras_lms._keras_adapter.calls import patched_calls  # noqa: E402
+from keras_lms.offload.jax import deviceless, host_residuals  # noqa: E402
+
+MIB = float(1 << 20)
+LHS_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_memory_limit_slop_factor": 95,
+}
+MODELS = {
+    "2d256": ("2D U-Net 8x256x256x1", lambda: unet((256, 256, 1), 32), 8),
+    "3d48": ("3D U-Net 2x48^3x1", lambda: unet((48, 48, 48, 1), 16), 2),
+    "3d96": ("3D U-Net 2x96^3x1", lambda: unet((96, 96, 96, 1), 16), 2),
+    "quick": ("2D U-Net 2x64x64x1 (2 levels, 8 filters)", lambda: unet((64, 64, 1), 8, levels=2), 2),
+}
+VARIANTS = ("plain", "naive", "whole", "host_residuals")
+
+
+def prepared(build, batch):
+    """A compiled (Adam, MSE) model with its optimizer and metrics built, and its batch's (x, y) shapes."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x = np.zeros((batch, *model.input_shape[1:]), "float32")
+    y = np.zeros((batch, *model.output_shape[1:]), "float32")
+    model._symbolic_build(data_batch=(x, y))
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    return model, x, y
+
+
+def intercepted_layers(model):
+    """The layers whose calls an offload variant intercepts: all but inputs and Concatenate (no residuals)."""
+    return [layer for layer in model.layers
+            if not isinstance(layer, (keras.layers.InputLayer, keras.layers.Concatenate))]
+
+
+def train_step(model):
+    """One training step as a pure function of the model's state and a batch (what Keras' ``fit`` jits)."""
+
+    def step(trainable, non_trainable, optimizer_vars, metrics_vars, x, y):
+        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        (loss, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y, None, training=True,
+                                     optimizer_variables=optimizer_vars)
+        _, _, non_trainable, metrics_vars = aux
+        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        return loss, trainable, non_trainable, optimizer_vars, metrics_vars
+
+    return step
+
+
+def step_arguments(model, x, y):
+    spec = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype)  # noqa: E731
+    return ([spec(v) for v in model.trainable_variables], [spec(v) for v in model.non_trainable_variables],
+            [spec(v) for v in model.optimizer.variables], [spec(v) for v in model.metrics_variables],
+            spec(x), spec(y))
+
+
+@contextlib.contextmanager
+def variant_patches(model, variant, min_bytes, record):
+    """Install the variant's stand-in calls for the duration of tracing."""
+    layers = intercepted_layers(model)
+    if variant == "plain":
+        yield
+    elif variant == "naive":
+        def make(op, original):
+            return functools.partial(host_residuals.checkpoint_offload_call, op, original, min_bytes=min_bytes)
+        with patched_calls(layers, make):
+            yield
+    elif variant == "host_residuals":
+        def make(op, original):
+            return functools.partial(host_residuals.host_residual_call, op, original, min_bytes=min_bytes,
+                                     record=record)
+        with patched_calls(layers, make):
+            yield
+    elif variant == "whole":
+        def name_output(op, original):
+            def call(*args, **kwargs):
+                out = original(*args, **kwargs)
+                if host_residuals._nbytes(out) >= min_bytes:
+                    record.append((op.name, host_residuals._nbytes(out)))
+                    return jax.ad_checkpoint.checkpoint_name(out, host_residuals.OFFLOAD_NAME)
+                return out
+            return call
+
+        def whole_forward(op, original):
+            def call(*args, **kwargs):
+                fn, trainable, non_trainable, arrays, assign_back = host_residuals.stateless_pure_call(
+                    op, original, args, kwargs)
+                out, new = jax.checkpoint(fn, policy=host_residuals.offload_policy())(trainable, non_trainable,
+                                                                                      arrays)
+                assign_back(new)
+                return out
+            return call
+
+        with patched_calls([model], whole_forward), patched_calls(layers, name_output):
+            yield
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+
+
+def measure(key, variant, min_bytes, console=None):
+    """Compile one model's step under one variant; a dict of the figures (bytes)."""
+    label, build, batch = MODELS[key]
+    base, _, flags = variant.partition("+")
+    model, x, y = prepared(build, batch)
+    record = []
+    with variant_patches(model, base, min_bytes, record):
+        info = deviceless.compile_for_h100(train_step(model), *step_arguments(model, x, y), donate_argnums=(0, 1, 2, 3),
+                                           compiler_options=LHS_OPTIONS if flags == "lhs" else None)
+    row = {"model": label, "variant": variant, "temp": info.temp_bytes, "args": info.argument_bytes,
+           "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
+           "planned_host": sum(b for _, b in record),
+           "seconds": info.compile_seconds}
+    if console is not None:
+        console.log(f"{label} {variant}: temp {row['temp'] / MIB:.1f} MiB, host {row['host_temp'] / MIB:.1f} MiB,"
+                    f" copies {row['to_host']}/{row['to_device']}, {row['seconds']:.1f} s")
+    return row
+
+
+def table(rows) -> Table:
+    out = Table(title="One training step compiled for an H100 (deviceless), MiB")
+    for column in ("model", "variant", "device temp", "args", "host temp", "planned host", "S(5) out/in",
+                   "temp / plain", "compile s"):
+        out.add_column(column, justify="left" if column in ("model", "variant") else "right")
+    plain = {r["model"]: r["temp"] for r in rows if r["variant"] == "plain"}
+    for r in rows:
+        ratio = f"{r['temp'] / plain[r['model']]:.2f}" if plain.get(r["model"]) else "-"
+        out.add_row(r["model"], r["variant"], f"{r['temp'] / MIB:,.1f}", f"{r['args'] / MIB:,.1f}",
+                    f"{r['host_temp'] / MIB:,.1f}", f"{r['planned_host'] / MIB:,.1f}",
+                    f"{r['to_host']}/{r['to_device']}", ratio, f"{r['seconds']:.1f}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="2d256,3d48,3d96", help=f"comma-separated keys of {sorted(MODELS)}")
+    parser.add_argument("--quick", action="store_true", help="only the small U-Net")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated; append +lhs for the latency-hiding scheduler with a memory limit")
+    parser.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest tensor offloaded (bytes)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    keys = ["quick"] if args.quick else args.models.split(",")
+    rows = [measure(key, variant, args.min_bytes, console) for key in keys for variant in args.variants.split(",")]
+    console.print(table(rows))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

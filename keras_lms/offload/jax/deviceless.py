@@ -1,0 +1,160 @@
+"""Compile a JAX function for an NVIDIA H100 without one, and read what the compiled program holds in memory.
+
+A CPU run proves nothing about host offload: JAX lowers a ``device_put`` to host memory to an identity on CPU,
+XLA's CPU pipeline strips memory-space annotations, and the CPU executable's ``memory_analysis()`` reports every
+``host_*`` field as 0. XLA can, however, build the real GPU program on a machine without a GPU ("deviceless
+compile"): with the CUDA PJRT plugin installed (``pip install "jax[cuda12]"``) and ``JAX_PLATFORMS=cpu``,
+``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)`` describes a GPU from a
+target description, and a function lowered with arguments placed on that description's device compiles to the
+program an H100 would run, scheduled and buffer-assigned by XLA's GPU pipeline.
+
+``h100_target_config.txtpb`` (package data) is that description for an H100 80GB HBM3 (published device facts;
+XLA keeps similar files under ``xla/tools/hlo_opt/gpu_specs/``).
+
+    info = compile_for_h100(step, *example_args)   # example_args: arrays or jax.ShapeDtypeStruct
+    info.temp_bytes, info.host_temp_bytes, info.host_copies
+
+``CompiledMemory.host_copies`` counts the asynchronous copies whose result lives in host memory space
+``S(5)`` (device -> host) and those that read from it (host -> device) in the optimised HLO: they are what is
+left of an offload after XLA's host-offloading and scheduling passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import re
+import time
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["CompiledMemory", "GpuCompileUnavailable", "compile_for_h100", "h100_device", "h100_target_config"]
+
+TARGET_CONFIG = "h100_target_config.txtpb"
+
+
+class GpuCompileUnavailable(RuntimeError):
+    """The deviceless GPU compile cannot run here (no jax CUDA plugin, or it failed to describe the GPU)."""
+
+
+def h100_target_config() -> str:
+    """The text of the H100 target description shipped with keras-lms."""
+    return importlib.resources.files(__package__).joinpath(TARGET_CONFIG).read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def h100_device():
+    """A (deviceless) H100 from the CUDA plugin's topology description: compile for it, never run on it.
+
+    Raises:
+        GpuCompileUnavailable: the jax CUDA plugin is not installed, or it cannot describe the target.
+    """
+    try:
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(platform="cuda", target_config=h100_target_config(),
+                                                topology="1x1x1")
+    except Exception as error:  # the plugin raises RuntimeError / ValueError / ImportError depending on version
+        raise GpuCompileUnavailable(
+            "A deviceless H100 compile needs the jax CUDA plugin (pip install 'jax[cuda12]'): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    return topology.devices[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """What one compiled program holds (bytes), from ``Compiled.memory_analysis()`` and its optimised HLO.
+
+    Attributes:
+        temp_bytes: device temporaries (XLA's buffer assignment: activations, gradients, workspace).
+        argument_bytes: device arguments (parameters, optimizer state, the batch).
+        output_bytes: device outputs (aliased with donated arguments when ``alias_bytes`` says so).
+        alias_bytes: output bytes that reuse donated argument buffers.
+        host_temp_bytes: temporaries in host memory (``S(5)``): what the offload keeps on host.
+        to_host_copies: ``copy-start`` ops whose result is in memory space ``S(5)`` (device -> host).
+        to_device_copies: ``copy-start`` ops that read an ``S(5)`` operand (host -> device).
+        compile_seconds: wall time of lowering and compiling.
+    """
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    host_temp_bytes: int
+    to_host_copies: int
+    to_device_copies: int
+    compile_seconds: float
+
+    @property
+    def host_copies(self) -> int:
+        """All asynchronous copies that touch host memory space ``S(5)``, both directions."""
+        return self.to_host_copies + self.to_device_copies
+
+
+_COPY_START = re.compile(r"=\s*\(([^=]*?)\)\s*copy-start\((.*?)\)")
+
+
+def count_host_copies(hlo_text: str) -> tuple[int, int]:
+    """(device -> host, host -> device) ``copy-start`` ops in optimised HLO text.
+
+    A copy-start's result is the tuple ``(destination, source, context)``; its first shape carries ``S(5)`` when
+    the copy goes to host memory, its operand's shape when it comes from there.
+    """
+    to_host = to_device = 0
+    for line in hlo_text.splitlines():
+        if "copy-start(" not in line:
+            continue
+        match = _COPY_START.search(line)
+        if not match:
+            continue
+        result, operand = match.groups()
+        destination = result.split("}")[0] if "}" in result else result
+        if "S(5)" in destination:
+            to_host += 1
+        elif "S(5)" in operand or "S(5)" in result:
+            to_device += 1
+    return to_host, to_device
+
+
+def _placed(value, device):
+    """``value`` (an array or a ShapeDtypeStruct) as a ShapeDtypeStruct committed to ``device``."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+
+def compile_for_h100(fn: Callable, *args: Any, donate_argnums=(), compiler_options: dict | None = None,
+                     return_compiled: bool = False):
+    """Compile ``fn(*args)`` for the deviceless H100 and measure the program.
+
+    Args:
+        fn: a pure JAX function (what ``jax.jit`` accepts).
+        *args: pytrees of arrays or ``jax.ShapeDtypeStruct``; only shapes and dtypes are used, each leaf is placed
+            on the H100's device memory.
+        donate_argnums: as ``jax.jit``'s (a training step donates its state, as Keras' ``fit`` does).
+        compiler_options: XLA debug options for this compile (``{"xla_gpu_...": value}``).
+        return_compiled: also return the ``jax.stages.Compiled`` (for its HLO text).
+
+    Returns:
+        A `CompiledMemory`, or ``(CompiledMemory, Compiled)`` when ``return_compiled``.
+
+    Raises:
+        GpuCompileUnavailable: see `h100_device`.
+    """
+    device = h100_device()
+    placed = jax.tree.map(lambda v: _placed(v, device), args)
+    start = time.perf_counter()
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    to_host, to_device = count_host_copies(compiled.as_text())
+    info = CompiledMemory(
+        temp_bytes=int(stats.temp_size_in_bytes), argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes), alias_bytes=int(stats.alias_size_in_bytes),
+        host_temp_bytes=int(stats.host_temp_size_in_bytes), to_host_copies=to_host, to_device_copies=to_device,
+        compile_seconds=seconds,
+    )
+    return (info, compiled) if return_compiled else info
