@@ -150,6 +150,10 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
             residuals[i] = jax.device_put(value, jax.memory.Space.Device)
         pullback = jax.tree.unflatten(layout["treedef"], residuals)
         trainable_grads, array_grads = pullback(output_cotangent)
+        # The input gradient (what the previous layer's backward waits for) is released only with the weight
+        # gradients: XLA cannot run the input-gradient chain ahead and leave each weight gradient, with its
+        # residual copied back and its cotangent, waiting until the optimizer update.
+        trainable_grads, array_grads = jax.lax.optimization_barrier((trainable_grads, array_grads))
         return trainable_grads, jax.tree.map(_zero_cotangent, non_trainable), array_grads
 
     call.defvjp(forward, backward)
