@@ -73,10 +73,11 @@ def prepared(build, batch):
     return model, x, y
 
 
-def intercepted_layers(model):
-    """The layers whose calls an offload variant intercepts: all but inputs and Concatenate (no residuals)."""
-    return [layer for layer in model.layers
-            if not isinstance(layer, (keras.layers.InputLayer, keras.layers.Concatenate))]
+def intercepted_layers(model, with_concatenate=False):
+    """The layers whose calls an offload variant intercepts: all but inputs and (unless ``with_concatenate``)
+    Concatenate, which keeps no residuals (host_residuals intercepts it to split its gradient at once)."""
+    skip = (keras.layers.InputLayer,) if with_concatenate else (keras.layers.InputLayer, keras.layers.Concatenate)
+    return [layer for layer in model.layers if not isinstance(layer, skip)]
 
 
 def train_step(model):
@@ -103,7 +104,7 @@ def step_arguments(model, x, y):
 @contextlib.contextmanager
 def variant_patches(model, variant, min_bytes, record):
     """Install the variant's stand-in calls for the duration of tracing."""
-    layers = intercepted_layers(model)
+    layers = intercepted_layers(model, with_concatenate=variant == "host_residuals")
     if variant == "plain":
         yield
     elif variant == "naive":

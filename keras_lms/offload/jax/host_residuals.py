@@ -142,12 +142,13 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     def backward(saved, cotangents):
         kept, non_trainable = saved
         output_cotangent, _ = cotangents
-        on_host = [kept[i] for i in layout["offloaded"]]
-        # The copies back wait for the backward to reach this layer: they cannot be hoisted into the forward.
-        on_host, output_cotangent = jax.lax.optimization_barrier((on_host, output_cotangent))
+        # Every residual waits for the backward to reach this layer: the copies back cannot be hoisted into the
+        # forward, and what stayed on the device (the weights) is a new value here, so XLA re-derives its
+        # backward layouts instead of keeping the forward's transposed copies alive in between.
+        kept, output_cotangent = jax.lax.optimization_barrier((kept, output_cotangent))
         residuals = list(kept)
-        for i, value in zip(layout["offloaded"], on_host):
-            residuals[i] = jax.device_put(value, jax.memory.Space.Device)
+        for i in layout["offloaded"]:
+            residuals[i] = jax.device_put(kept[i], jax.memory.Space.Device)
         pullback = jax.tree.unflatten(layout["treedef"], residuals)
         trainable_grads, array_grads = pullback(output_cotangent)
         # The input gradient (what the previous layer's backward waits for) is released only with the weight
