@@ -91,6 +91,19 @@ def _zero_cotangent(value):
     return np.zeros(value.shape, dtype=jax.dtypes.float0)
 
 
+_RECOMPUTED = frozenset({"broadcast_in_dim", "iota", "full", "zeros_like", "convert_element_type"})
+
+
+def _save_all_but_constants(prim, *_, **__) -> bool:
+    """``jax.checkpoint`` policy of the pullback: save every intermediate except tensors built from constants.
+
+    ``jax.vjp`` would keep e.g. the full-size zeros of a ReLU's derivative as a residual; XLA then shares one such
+    buffer between every ReLU of that shape and keeps it from the first forward use to the last backward one.
+    Recomputed in the backward, it fuses into its consumer and takes no memory.
+    """
+    return prim.name not in _RECOMPUTED
+
+
 def _nbytes(value) -> int:
     return int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
 
@@ -120,7 +133,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
 
     def forward(trainable, non_trainable, arrays):
         outputs, pullback, new_non_trainable = jax.vjp(
-            lambda t, a: fn(t, non_trainable, a), trainable, arrays, has_aux=True)
+            jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=_save_all_but_constants),
+            trainable, arrays, has_aux=True)
         residuals, treedef = jax.tree.flatten(pullback)
         weights = {id(w) for w in jax.tree.leaves(trainable)}
         offloaded, seen = [], set()
