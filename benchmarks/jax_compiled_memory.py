@@ -144,7 +144,7 @@ def variant_patches(model, variant, min_bytes, record):
         raise ValueError(f"unknown variant {variant!r}")
 
 
-def measure(key, variant, min_bytes, console=None):
+def measure(key, variant, min_bytes, console=None, extra_options=None):
     """Compile one model's step under one variant; a dict of the figures (bytes)."""
     label, build, batch = MODELS[key]
     base, _, flags = variant.partition("+")
@@ -152,7 +152,8 @@ def measure(key, variant, min_bytes, console=None):
     record = []
     with variant_patches(model, base, min_bytes, record):
         info = deviceless.compile_for_h100(train_step(model), *step_arguments(model, x, y), donate_argnums=(0, 1, 2, 3),
-                                           compiler_options=LHS_OPTIONS if flags == "lhs" else None)
+                                           compiler_options={**(LHS_OPTIONS if flags == "lhs" else {}),
+                                                             **(extra_options or {})} or None)
     row = {"model": label, "variant": variant, "temp": info.temp_bytes, "args": info.argument_bytes,
            "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
            "planned_host": sum(b for _, b in record),
@@ -185,10 +186,12 @@ def main(argv=None) -> int:
                         help="comma-separated; append +lhs for the latency-hiding scheduler with a memory limit")
     parser.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest tensor offloaded (bytes)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--xla-options", default="{}", help="JSON of XLA compiler options for every compile")
     args = parser.parse_args(argv)
     console = Console(width=160)
     keys = ["quick"] if args.quick else args.models.split(",")
-    rows = [measure(key, variant, args.min_bytes, console) for key in keys for variant in args.variants.split(",")]
+    options = json.loads(args.xla_options)
+    rows = [measure(key, variant, args.min_bytes, console, options) for key in keys for variant in args.variants.split(",")]
     console.print(table(rows))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
