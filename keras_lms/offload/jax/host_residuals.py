@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
+from keras_lms.offload.jax.lean import lean_pullback_for
+
 __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "host_residual_call", "stateless_pure_call"]
 
 OFFLOAD_NAME = "keras_lms_offload"
@@ -131,10 +133,16 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     def call(trainable, non_trainable, arrays):
         return fn(trainable, non_trainable, arrays)
 
+    lean = lean_pullback_for(layer, trainable, arrays)
+
     def forward(trainable, non_trainable, arrays):
-        outputs, pullback, new_non_trainable = jax.vjp(
-            jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=_save_all_but_constants),
-            trainable, arrays, has_aux=True)
+        if lean is not None:
+            outputs, new_non_trainable = fn(trainable, non_trainable, arrays)
+            pullback = lean(trainable, arrays)
+        else:
+            outputs, pullback, new_non_trainable = jax.vjp(
+                jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=_save_all_but_constants),
+                trainable, arrays, has_aux=True)
         residuals, treedef = jax.tree.flatten(pullback)
         weights = {id(w) for w in jax.tree.leaves(trainable)}
         offloaded, seen = [], set()
