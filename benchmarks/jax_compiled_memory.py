@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import pathlib
@@ -36,15 +35,15 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.models, run as a script
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import jax
+import keras
+import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-from benchmarks.models import unet  # noqa: E402 - the U-Nets of docs/benchmarks.md
-from keras_lms._keras_adapter.calls import patched_calls  # noqa: E402
-from keras_lms.offload.jax import deviceless, host_residuals  # noqa: E402
+from benchmarks.models import unet
+from keras_lms._keras_adapter.calls import patched_calls  # the whole-forward variant
+from keras_lms.offload.jax import deviceless, host_residuals
 
 MIB = float(1 << 20)
 LHS_OPTIONS = {
@@ -108,15 +107,10 @@ def variant_patches(model, variant, min_bytes, record):
     if variant == "plain":
         yield
     elif variant == "naive":
-        def make(op, original):
-            return functools.partial(host_residuals.checkpoint_offload_call, op, original, min_bytes=min_bytes)
-        with patched_calls(layers, make):
+        with host_residuals.checkpoint_offloading(layers, min_bytes):
             yield
     elif variant == "host_residuals":
-        def make(op, original):
-            return functools.partial(host_residuals.host_residual_call, op, original, min_bytes=min_bytes,
-                                     record=record)
-        with patched_calls(layers, make):
+        with host_residuals.host_residuals(layers, min_bytes, record):
             yield
     elif variant == "whole":
         def name_output(op, original):
@@ -184,14 +178,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the small U-Net")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated; append +lhs for the latency-hiding scheduler with a memory limit")
-    parser.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest tensor offloaded (bytes)")
+    parser.add_argument("--min-bytes", type=int, default=host_residuals.DEFAULT_MIN_BYTES, help="smallest tensor offloaded (bytes)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--xla-options", default="{}", help="JSON of XLA compiler options for every compile")
     args = parser.parse_args(argv)
     console = Console(width=160)
     keys = ["quick"] if args.quick else args.models.split(",")
     options = json.loads(args.xla_options)
-    rows = [measure(key, variant, args.min_bytes, console, options) for key in keys for variant in args.variants.split(",")]
+    rows = [measure(key, variant, args.min_bytes, console, options)
+            for key in keys for variant in args.variants.split(",")]
     console.print(table(rows))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -25,19 +25,23 @@ installs such a stand-in.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import functools
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
+from keras_lms._keras_adapter.calls import patched_calls
 from keras_lms.offload.jax.lean import lean_pullback_for
 
-__all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "host_residual_call", "stateless_pure_call"]
+__all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "host_residual_call",
+           "host_residuals", "stateless_pure_call"]
 
 OFFLOAD_NAME = "keras_lms_offload"
-DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_MIN_BYTES = 256 << 10
 
 
 def _current_value(variable):
@@ -210,3 +214,27 @@ def checkpoint_offload_call(layer, original: Callable, *args: Any, min_bytes: in
     outputs, new_non_trainable = jax.checkpoint(named, policy=offload_policy())(trainable, non_trainable, arrays)
     assign_back(new_non_trainable)
     return outputs
+
+
+@contextlib.contextmanager
+def host_residuals(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES, record: list | None = None):
+    """While active, every call of each of ``layers`` runs through `host_residual_call`.
+
+    Trace (``jax.jit(...).lower`` or the first call of a jitted step) inside the block; the compiled program keeps
+    the offload.
+    """
+    def make(layer, original):
+        return functools.partial(host_residual_call, layer, original, min_bytes=min_bytes, record=record)
+
+    with patched_calls(list(layers), make):
+        yield
+
+
+@contextlib.contextmanager
+def checkpoint_offloading(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES):
+    """While active, every call of each of ``layers`` runs through `checkpoint_offload_call` (the naive control)."""
+    def make(layer, original):
+        return functools.partial(checkpoint_offload_call, layer, original, min_bytes=min_bytes)
+
+    with patched_calls(list(layers), make):
+        yield
