@@ -46,9 +46,10 @@ from keras_lms._keras_adapter.calls import patched_calls  # the whole-forward va
 from keras_lms.offload.jax import deviceless, host_residuals
 
 MIB = float(1 << 20)
-LHS_OPTIONS = {
+LHS_OPTIONS = {  # XLA's memory-aware scheduling: the latency-hiding scheduler under a tighter memory limit
     "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_memory_limit_slop_factor": 95,
+    "xla_gpu_memory_limit_slop_factor": 50,
+    "xla_gpu_enable_pipelined_host_offloading": True,
 }
 MODELS = {
     "2d256": ("2D U-Net 8x256x256x1", lambda: unet((256, 256, 1), 32), 8),
@@ -77,27 +78,6 @@ def intercepted_layers(model, with_concatenate=False):
     Concatenate, which keeps no residuals (host_residuals intercepts it to split its gradient at once)."""
     skip = (keras.layers.InputLayer,) if with_concatenate else (keras.layers.InputLayer, keras.layers.Concatenate)
     return [layer for layer in model.layers if not isinstance(layer, skip)]
-
-
-def train_step(model):
-    """One training step as a pure function of the model's state and a batch (what Keras' ``fit`` jits)."""
-
-    def step(trainable, non_trainable, optimizer_vars, metrics_vars, x, y):
-        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-        (loss, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y, None, training=True,
-                                     optimizer_variables=optimizer_vars)
-        _, _, non_trainable, metrics_vars = aux
-        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        return loss, trainable, non_trainable, optimizer_vars, metrics_vars
-
-    return step
-
-
-def step_arguments(model, x, y):
-    spec = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype)  # noqa: E731
-    return ([spec(v) for v in model.trainable_variables], [spec(v) for v in model.non_trainable_variables],
-            [spec(v) for v in model.optimizer.variables], [spec(v) for v in model.metrics_variables],
-            spec(x), spec(y))
 
 
 @contextlib.contextmanager
@@ -145,9 +125,8 @@ def measure(key, variant, min_bytes, console=None, extra_options=None):
     model, x, y = prepared(build, batch)
     record = []
     with variant_patches(model, base, min_bytes, record):
-        info = deviceless.compile_for_h100(train_step(model), *step_arguments(model, x, y), donate_argnums=(0, 1, 2, 3),
-                                           compiler_options={**(LHS_OPTIONS if flags == "lhs" else {}),
-                                                             **(extra_options or {})} or None)
+        info = deviceless.compile_keras_step(model, x, y, compiler_options={
+            **(LHS_OPTIONS if flags == "lhs" else {}), **(extra_options or {})} or None)
     row = {"model": label, "variant": variant, "temp": info.temp_bytes, "args": info.argument_bytes,
            "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
            "planned_host": sum(b for _, b in record),
@@ -178,7 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the small U-Net")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated; append +lhs for the latency-hiding scheduler with a memory limit")
-    parser.add_argument("--min-bytes", type=int, default=host_residuals.DEFAULT_MIN_BYTES, help="smallest tensor offloaded (bytes)")
+    parser.add_argument("--min-bytes", type=int, default=host_residuals.DEFAULT_MIN_BYTES,
+                        help="smallest tensor offloaded (bytes)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--xla-options", default="{}", help="JSON of XLA compiler options for every compile")
     args = parser.parse_args(argv)

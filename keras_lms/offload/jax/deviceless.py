@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["CompiledMemory", "GpuCompileUnavailable", "compile_for_h100", "h100_device", "h100_target_config"]
+__all__ = ["CompiledMemory", "GpuCompileUnavailable", "compile_for_h100", "compile_keras_step", "h100_device",
+           "h100_target_config", "keras_train_step"]
 
 TARGET_CONFIG = "h100_target_config.txtpb"
 
@@ -158,3 +159,41 @@ def compile_for_h100(fn: Callable, *args: Any, donate_argnums=(), compiler_optio
         compile_seconds=seconds,
     )
     return (info, compiled) if return_compiled else info
+
+
+def keras_train_step(model) -> Callable:
+    """One training step of a compiled Keras model as a pure function (what Keras' JAX ``fit`` jits).
+
+    ``step(trainable, non_trainable, optimizer_vars, metrics_vars, x, y)`` runs the forward pass, the loss, the
+    gradients (``jax.value_and_grad`` of the model's ``compute_loss_and_updates``) and the optimizer update
+    (``optimizer.stateless_apply``), and returns ``(loss, trainable, non_trainable, optimizer_vars, metrics_vars)``.
+    The model must be compiled (optimizer and loss) and its optimizer built.
+    """
+
+    def step(trainable, non_trainable, optimizer_vars, metrics_vars, x, y):
+        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        (loss, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y, None, training=True,
+                                     optimizer_variables=optimizer_vars)
+        _, _, non_trainable, metrics_vars = aux
+        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        return loss, trainable, non_trainable, optimizer_vars, metrics_vars
+
+    return step
+
+
+def keras_step_arguments(model, x, y) -> tuple:
+    """The arguments of `keras_train_step` as ShapeDtypeStructs: the model's state, then the batch ``(x, y)``."""
+    spec = lambda v: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype)  # noqa: E731
+    return ([spec(v) for v in model.trainable_variables], [spec(v) for v in model.non_trainable_variables],
+            [spec(v) for v in model.optimizer.variables], [spec(v) for v in model.metrics_variables],
+            spec(x), spec(y))
+
+
+def compile_keras_step(model, x, y, **options):
+    """`compile_for_h100` of `keras_train_step` (state donated, as ``fit`` does) for a batch shaped like ``(x, y)``.
+
+    Trace under whatever stand-in calls should be in the program (``with host_residuals.host_residuals(...)``).
+    ``options`` go to `compile_for_h100`.
+    """
+    return compile_for_h100(keras_train_step(model), *keras_step_arguments(model, x, y), donate_argnums=(0, 1, 2, 3),
+                            **options)
