@@ -118,7 +118,7 @@ def variant_patches(model, variant, min_bytes, record):
         raise ValueError(f"unknown variant {variant!r}")
 
 
-def measure(key, variant, min_bytes, console=None, extra_options=None):
+def measure(key, variant, min_bytes, console=None, extra_options=None, device_memory=None):
     """Compile one model's step under one variant; a dict of the figures (bytes)."""
     label, build, batch = MODELS[key]
     base, _, flags = variant.partition("+")
@@ -126,7 +126,8 @@ def measure(key, variant, min_bytes, console=None, extra_options=None):
     record = []
     with variant_patches(model, base, min_bytes, record):
         info = deviceless.compile_keras_step(model, x, y, compiler_options={
-            **(LHS_OPTIONS if flags == "lhs" else {}), **(extra_options or {})} or None)
+            **(LHS_OPTIONS if flags == "lhs" else {}), **(extra_options or {})} or None,
+            device_memory_size=device_memory)
     row = {"model": label, "variant": variant, "temp": info.temp_bytes, "args": info.argument_bytes,
            "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
            "planned_host": sum(b for _, b in record),
@@ -161,11 +162,14 @@ def main(argv=None) -> int:
                         help="smallest tensor offloaded (bytes)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--xla-options", default="{}", help="JSON of XLA compiler options for every compile")
+    parser.add_argument("--device-memory-mib", type=int,
+                        help="device memory the compiler assumes (default the H100's 80 GB; XLA's scheduler limit)")
     args = parser.parse_args(argv)
     console = Console(width=160)
     keys = ["quick"] if args.quick else args.models.split(",")
     options = json.loads(args.xla_options)
-    rows = [measure(key, variant, args.min_bytes, console, options)
+    memory = args.device_memory_mib << 20 if args.device_memory_mib else None
+    rows = [measure(key, variant, args.min_bytes, console, options, memory)
             for key in keys for variant in args.variants.split(",")]
     console.print(table(rows))
     if args.json:

@@ -45,18 +45,24 @@ def h100_target_config() -> str:
     return importlib.resources.files(__package__).joinpath(TARGET_CONFIG).read_text()
 
 
-@functools.lru_cache(maxsize=1)
-def h100_device():
+@functools.lru_cache(maxsize=4)
+def h100_device(device_memory_size: int | None = None):
     """A (deviceless) H100 from the CUDA plugin's topology description: compile for it, never run on it.
+
+    Args:
+        device_memory_size: bytes of device memory the compiler assumes (default: the H100's 80 GB). XLA's
+            scheduler sizes its memory limit from it (``xla_gpu_memory_limit_slop_factor`` percent of it).
 
     Raises:
         GpuCompileUnavailable: the jax CUDA plugin is not installed, or it cannot describe the target.
     """
+    config = h100_target_config()
+    if device_memory_size is not None:
+        config = re.sub(r"device_memory_size: \d+", f"device_memory_size: {int(device_memory_size)}", config)
     try:
         from jax.experimental import topologies
 
-        topology = topologies.get_topology_desc(platform="cuda", target_config=h100_target_config(),
-                                                topology="1x1x1")
+        topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
     except Exception as error:  # the plugin raises RuntimeError / ValueError / ImportError depending on version
         raise GpuCompileUnavailable(
             "A deviceless H100 compile needs the jax CUDA plugin (pip install 'jax[cuda12]'): "
@@ -127,7 +133,7 @@ def _placed(value, device):
 
 
 def compile_for_h100(fn: Callable, *args: Any, donate_argnums=(), compiler_options: dict | None = None,
-                     return_compiled: bool = False):
+                     return_compiled: bool = False, device_memory_size: int | None = None):
     """Compile ``fn(*args)`` for the deviceless H100 and measure the program.
 
     Args:
@@ -137,6 +143,7 @@ def compile_for_h100(fn: Callable, *args: Any, donate_argnums=(), compiler_optio
         donate_argnums: as ``jax.jit``'s (a training step donates its state, as Keras' ``fit`` does).
         compiler_options: XLA debug options for this compile (``{"xla_gpu_...": value}``).
         return_compiled: also return the ``jax.stages.Compiled`` (for its HLO text).
+        device_memory_size: see `h100_device`.
 
     Returns:
         A `CompiledMemory`, or ``(CompiledMemory, Compiled)`` when ``return_compiled``.
@@ -144,7 +151,7 @@ def compile_for_h100(fn: Callable, *args: Any, donate_argnums=(), compiler_optio
     Raises:
         GpuCompileUnavailable: see `h100_device`.
     """
-    device = h100_device()
+    device = h100_device(device_memory_size)
     placed = jax.tree.map(lambda v: _placed(v, device), args)
     start = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed)

@@ -2,8 +2,9 @@
 back end (float32) the loss, the predictions, BatchNorm's moving statistics and the seed state after a step are
 bit-identical to the plain step's, and the gradients equal them to float32 summation order (rtol 1e-5: the
 optimisation barriers change how XLA fuses the backward's reductions, and the lean transposed-convolution
-backward sums in another order; measured at most ~2e-5 relative on elements near 1e-9 absolute). CPU lowers the copies to host to identities, so these check numerics
-only; what the copies do to memory is checked on the compiled H100 program (test_compiled_offload.py)."""
+backward sums in another order; measured at most ~2e-5 relative on elements near 1e-9 absolute). CPU lowers the
+copies to host to identities, so these check numerics only; what the copies do to memory is checked on the compiled
+H100 program (test_compiled_offload.py)."""
 
 from __future__ import annotations
 
