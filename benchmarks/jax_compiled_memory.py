@@ -19,6 +19,8 @@ Variants (each layer's call but the input and Concatenate is intercepted; ``docs
 - ``whole``: one ``jax.checkpoint`` with the offload policy around the whole forward, each layer's output named.
 - ``host_residuals``: `host_residuals.host_residual_call` (custom_vjp, pullback residuals on host, ordered by
   optimisation barriers).
+- ``host_residuals-<part>[-<part>]``: an ablation, without the ``forward``/``backward``/``gradients`` barrier,
+  the ``lean`` transposed-convolution backward or the recomputed ``constants``.
 - ``<variant>+lhs``: the same compiled with XLA's latency-hiding scheduler and a 16 GiB memory limit.
 """
 
@@ -83,7 +85,7 @@ def intercepted_layers(model, with_concatenate=False):
 @contextlib.contextmanager
 def variant_patches(model, variant, min_bytes, record):
     """Install the variant's stand-in calls for the duration of tracing."""
-    layers = intercepted_layers(model, with_concatenate=variant == "host_residuals")
+    layers = intercepted_layers(model, with_concatenate=variant.startswith("host_residuals"))
     if variant == "plain":
         yield
     elif variant == "naive":
@@ -91,6 +93,11 @@ def variant_patches(model, variant, min_bytes, record):
             yield
     elif variant == "host_residuals":
         with host_residuals.host_residuals(layers, min_bytes, record):
+            yield
+    elif variant.startswith("host_residuals-"):  # an ablation: host_residuals-<part>[-<part>...]
+        parts = set(variant.split("-")[1:])
+        with host_residuals.host_residuals(layers, min_bytes, record, barriers=host_residuals.BARRIERS - parts,
+                                           lean="lean" not in parts, recompute_constants="constants" not in parts):
             yield
     elif variant == "whole":
         def name_output(op, original):

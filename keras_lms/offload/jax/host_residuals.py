@@ -42,6 +42,7 @@ __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "
 
 OFFLOAD_NAME = "keras_lms_offload"
 DEFAULT_MIN_BYTES = 256 << 10
+BARRIERS = frozenset({"forward", "backward", "gradients"})
 
 
 def _current_value(variable):
@@ -115,7 +116,8 @@ def _nbytes(value) -> int:
 
 
 def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = DEFAULT_MIN_BYTES,
-                       record: list | None = None, **kwargs: Any):
+                       record: list | None = None, barriers: frozenset = BARRIERS, lean: bool = True,
+                       recompute_constants: bool = True, **kwargs: Any):
     """Run ``original(*args, **kwargs)`` (the layer's call) with its large backward residuals in host memory.
 
     Args:
@@ -125,6 +127,10 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         *args, **kwargs: the call's arguments.
         min_bytes: residuals smaller than this stay on the device (the layer's weights always do).
         record: when given, ``(layer.name, bytes)`` of each residual sent to host is appended to it (at trace).
+        barriers, lean, recompute_constants: the parts of the mechanism, all on by default; switched off one by
+            one only to measure what each does (``docs/jax_findings.md``). ``barriers`` holds any of
+            ``"forward"`` (copies to host before the output is used), ``"backward"`` (residuals wait for the
+            output cotangent) and ``"gradients"`` (the input gradient waits for the weight gradients).
 
     Returns:
         The call's outputs. Under ``jax.grad`` the pullback's residuals of at least ``min_bytes`` live in host
@@ -137,7 +143,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     def call(trainable, non_trainable, arrays):
         return fn(trainable, non_trainable, arrays)
 
-    lean = lean_pullback_for(layer, trainable, arrays)
+    lean = lean_pullback_for(layer, trainable, arrays) if lean else None
+    policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):
         if lean is not None:
@@ -145,7 +152,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
             pullback = lean(trainable, arrays)
         else:
             outputs, pullback, new_non_trainable = jax.vjp(
-                jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=_save_all_but_constants),
+                jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=policy),
                 trainable, arrays, has_aux=True)
         residuals, treedef = jax.tree.flatten(pullback)
         weights = {id(w) for w in jax.tree.leaves(trainable)}
@@ -156,7 +163,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
                 seen.add(id(leaf))
         on_host = [jax.device_put(residuals[i], jax.memory.Space.Host) for i in offloaded]
         # The consumer of `outputs` waits for the copies to host: they cannot be scheduled late.
-        on_host, outputs = jax.lax.optimization_barrier((on_host, outputs))
+        if "forward" in barriers:
+            on_host, outputs = jax.lax.optimization_barrier((on_host, outputs))
         kept = list(residuals)
         for i, value in zip(offloaded, on_host):
             kept[i] = value
@@ -171,7 +179,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         # Every residual waits for the backward to reach this layer: the copies back cannot be hoisted into the
         # forward, and what stayed on the device (the weights) is a new value here, so XLA re-derives its
         # backward layouts instead of keeping the forward's transposed copies alive in between.
-        kept, output_cotangent = jax.lax.optimization_barrier((kept, output_cotangent))
+        if "backward" in barriers:
+            kept, output_cotangent = jax.lax.optimization_barrier((kept, output_cotangent))
         residuals = list(kept)
         for i in layout["offloaded"]:
             residuals[i] = jax.device_put(kept[i], jax.memory.Space.Device)
@@ -180,7 +189,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         # The input gradient (what the previous layer's backward waits for) is released only with the weight
         # gradients: XLA cannot run the input-gradient chain ahead and leave each weight gradient, with its
         # residual copied back and its cotangent, waiting until the optimizer update.
-        trainable_grads, array_grads = jax.lax.optimization_barrier((trainable_grads, array_grads))
+        if "gradients" in barriers:
+            trainable_grads, array_grads = jax.lax.optimization_barrier((trainable_grads, array_grads))
         return trainable_grads, jax.tree.map(_zero_cotangent, non_trainable), array_grads
 
     call.defvjp(forward, backward)
@@ -217,14 +227,15 @@ def checkpoint_offload_call(layer, original: Callable, *args: Any, min_bytes: in
 
 
 @contextlib.contextmanager
-def host_residuals(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES, record: list | None = None):
-    """While active, every call of each of ``layers`` runs through `host_residual_call`.
+def host_residuals(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES, record: list | None = None, **options):
+    """While active, every call of each of ``layers`` runs through `host_residual_call` (``options``: its
+    ``barriers``, ``lean``, ``recompute_constants``).
 
     Trace (``jax.jit(...).lower`` or the first call of a jitted step) inside the block; the compiled program keeps
     the offload.
     """
     def make(layer, original):
-        return functools.partial(host_residual_call, layer, original, min_bytes=min_bytes, record=record)
+        return functools.partial(host_residual_call, layer, original, min_bytes=min_bytes, record=record, **options)
 
     with patched_calls(list(layers), make):
         yield
