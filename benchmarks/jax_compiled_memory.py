@@ -136,6 +136,7 @@ def measure(key, variant, min_bytes, console=None, extra_options=None, device_me
             **(LHS_OPTIONS if flags == "lhs" else {}), **(extra_options or {})} or None,
             device_memory_size=device_memory)
     row = {"model": label, "variant": variant, "temp": info.temp_bytes, "args": info.argument_bytes,
+           "outputs": info.output_bytes, "alias": info.alias_bytes,
            "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
            "planned_host": sum(b for _, b in record),
            "seconds": info.compile_seconds}
@@ -143,6 +144,33 @@ def measure(key, variant, min_bytes, console=None, extra_options=None, device_me
         console.log(f"{label} {variant}: temp {row['temp'] / MIB:.1f} MiB, host {row['host_temp'] / MIB:.1f} MiB,"
                     f" copies {row['to_host']}/{row['to_device']}, {row['seconds']:.1f} s")
     return row
+
+
+def cube_fits(edge, variant, memory, min_bytes, dtype_policy=None):
+    """(fits, device bytes) of the 3D U-Net of docs/benchmarks.md' largest-cube search (depth 4, 16 filters,
+    batch 1) at ``edge``^3, compiled for an H100 with ``memory`` bytes: temporaries + arguments + outputs not
+    aliased to donated arguments must fit."""
+    if dtype_policy:
+        keras.mixed_precision.set_dtype_policy(dtype_policy)
+    MODELS["cube"] = (f"3D U-Net 1x{edge}^3x1", lambda: unet((edge, edge, edge, 1), 16), 1)
+    row = measure("cube", variant, min_bytes, device_memory=memory)
+    used = row["temp"] + row["args"] + row["outputs"] - row["alias"]
+    return used <= memory, used
+
+
+def largest_cube(variant, memory, min_bytes, lo, hi, console, dtype_policy=None):
+    """Binary search over edges (multiples of 16) in [lo, hi]: the largest that fits, with each probe logged."""
+    best, lo, hi = None, lo // 16, hi // 16
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        fits, used = cube_fits(16 * mid, variant, memory, min_bytes, dtype_policy)
+        console.log(f"{variant} {16 * mid}^3: {used / 2**30:.2f} GiB of {memory / 2**30:.0f}, "
+                    f"{'fits' if fits else 'does not fit'}")
+        if fits:
+            best, lo = 16 * mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def table(rows) -> Table:
@@ -171,8 +199,23 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-options", default="{}", help="JSON of XLA compiler options for every compile")
     parser.add_argument("--device-memory-mib", type=int,
                         help="device memory the compiler assumes (default the H100's 80 GB; XLA's scheduler limit)")
+    parser.add_argument("--max-cube", action="store_true",
+                        help="largest 3D U-Net cube (depth 4, 16 filters, batch 1) per variant at --cube-gib")
+    parser.add_argument("--cube-gib", type=float, default=16.0)
+    parser.add_argument("--cube-range", default="128,512", help="edges searched (multiples of 16)")
+    parser.add_argument("--dtype-policy", help="e.g. mixed_float16 (the --max-cube models)")
     args = parser.parse_args(argv)
     console = Console(width=160)
+    if args.max_cube:
+        memory = int(args.cube_gib * 2**30)
+        lo, hi = (int(v) for v in args.cube_range.split(","))
+        found = {v: largest_cube(v, memory, args.min_bytes, lo, hi, console, args.dtype_policy)
+                 for v in args.variants.split(",")}
+        for variant, edge in found.items():
+            console.print(f"{variant}: largest cube {edge}^3 at {args.cube_gib:g} GiB"
+                          + (f" ({(edge / found['plain']) ** 3:.2f}x plain's voxels)"
+                             if found.get("plain") and edge else ""))
+        return 0
     keys = ["quick"] if args.quick else args.models.split(",")
     options = json.loads(args.xla_options)
     memory = args.device_memory_mib << 20 if args.device_memory_mib else None

@@ -78,6 +78,26 @@ def test_loss_predictions_state_and_gradients_equal_the_plain_step():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_runs_and_matches(policy):
+    """Under a mixed policy the layers autocast inside the offloaded call (kernels cast in the pullback); the
+    step matches the plain one to the compute dtype's precision."""
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        (loss, y_pred, grads, state), names = _grads_and_state(offload=False)
+        (loss_w, y_pred_w, grads_w, state_w), _ = _grads_and_state(offload=True)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    np.testing.assert_allclose(loss_w, loss, rtol=1e-3)
+    np.testing.assert_allclose(y_pred_w.astype("float32"), y_pred.astype("float32"), rtol=1e-2, atol=1e-2)
+    for name, a, b in zip(names, state_w, state):
+        np.testing.assert_allclose(np.asarray(a, "float64"), np.asarray(b, "float64"), rtol=1e-2, atol=1e-3,
+                                   err_msg=name)
+    for a, b in zip(grads_w, grads):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=5e-2, atol=1e-3)
+
+
 def test_the_naive_checkpoint_offload_is_numerically_plain_too():
     """The negative control of the compiled-memory tests fails on memory, not on numerics."""
     model = _model()
