@@ -10,11 +10,19 @@ are two contractions of the output cotangent, reshaped into blocks, with the inp
     dW[a, o, c] = sum_{n, i} ct[n, i, a, o] * x[n, i, c]        dx[n, i, c] = sum_{a, o} ct[n, i, a, o] * W[a, o, c]
 
 The forward stays Keras' own (bit-identical outputs); the gradients equal JAX's up to float summation order.
+
+A max pooling whose pool size equals its strides ("valid", the U-Net down-sampling) is differentiated by JAX as
+``select_and_scatter_add``: XLA scatters into a zero buffer of the input's size, and its CSE shares that zero
+buffer with every ReLU of the same shape, so one input-sized buffer of zeros lives through the whole step. Here the
+forward keeps, per window, the index of its first maximum (the element ``select_and_scatter_add`` picks: XLA's
+select keeps the earlier element on ties), one byte per output element instead of the input, and the backward
+places each output cotangent at that index: the same gradient, exactly, with nothing to scatter.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +62,52 @@ def _grads(spec, x, kernel, bias, cotangent):
     return grads, [d_x.astype(x.dtype)]
 
 
+def _block_max_pool(layer, arrays) -> bool:
+    """``layer`` is a channels-last max pooling with pool size == strides, "valid", windows tiling its input."""
+    if not isinstance(layer, (layers.MaxPooling1D, layers.MaxPooling2D, layers.MaxPooling3D)) or len(arrays) != 1:
+        return False
+    pool, strides = tuple(layer.pool_size), tuple(layer.strides)
+    spatial = arrays[0].shape[1:-1]
+    return (layer.data_format == "channels_last" and pool == strides and layer.padding == "valid"
+            and len(spatial) == len(pool) and all(s % p == 0 for s, p in zip(spatial, pool))
+            and math.prod(pool) <= 256)
+
+
+def _windows(x, pool):
+    """``x`` (N, *spatial, C) as (N, *spatial // pool, C, prod(pool)), the window's elements in row-major order."""
+    nd = len(pool)
+    blocks = [d for size, p in zip(x.shape[1:-1], pool) for d in (size // p, p)]
+    x = x.reshape(x.shape[0], *blocks, x.shape[-1])
+    outer = [1 + 2 * i for i in range(nd)]
+    inner = [2 + 2 * i for i in range(nd)]
+    x = x.transpose(0, *outer, 1 + 2 * nd, *inner)
+    return x.reshape(*x.shape[:nd + 2], -1)
+
+
+def _pool_grads(pool, shape, index, cotangent):
+    """([], [input gradient]) of a block max pooling from the first-maximum indices of its windows."""
+    nd = len(pool)
+    window = math.prod(pool)
+    spread = jax.nn.one_hot(index, window, dtype=cotangent.dtype) * cotangent[..., None]
+    spread = spread.reshape(*spread.shape[:nd + 2], *pool)  # (N, *outer, C, *pool)
+    order = [0] + [j for i in range(nd) for j in (1 + i, nd + 2 + i)] + [nd + 1]
+    return [], [spread.transpose(order).reshape(shape)]
+
+
 def lean_pullback_for(layer, trainable, arrays):
     """A ``pullback_maker(trainable, arrays)`` for ``layer`` if it has a lean backward here, else None.
 
     The maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (input, kernel, bias) and which,
     called with the output cotangent, returns ``(trainable_grads, [input_grad])`` like ``jax.vjp``'s pullback.
     """
+    if _block_max_pool(layer, arrays) and not trainable:
+        pool = tuple(layer.pool_size)
+
+        def make_pool(trainable, arrays):
+            index = jnp.argmax(_windows(arrays[0], pool), axis=-1).astype(jnp.uint8)
+            return jax.tree_util.Partial(functools.partial(_pool_grads, pool, arrays[0].shape), index)
+
+        return make_pool
     if not _block_conv_transpose(layer) or len(arrays) != 1:
         return None
     variables = list(layer.trainable_variables)
