@@ -146,24 +146,24 @@ def measure(key, variant, min_bytes, console=None, extra_options=None, device_me
     return row
 
 
-def cube_fits(edge, variant, memory, min_bytes, dtype_policy=None):
+def cube_fits(edge, variant, memory, min_bytes, dtype_policy=None, options=None):
     """(fits, device bytes) of the 3D U-Net of docs/benchmarks.md' largest-cube search (depth 4, 16 filters,
     batch 1) at ``edge``^3, compiled for an H100 with ``memory`` bytes: temporaries + arguments + outputs not
     aliased to donated arguments must fit."""
     if dtype_policy:
         keras.mixed_precision.set_dtype_policy(dtype_policy)
     MODELS["cube"] = (f"3D U-Net 1x{edge}^3x1", lambda: unet((edge, edge, edge, 1), 16), 1)
-    row = measure("cube", variant, min_bytes, device_memory=memory)
+    row = measure("cube", variant, min_bytes, extra_options=options, device_memory=memory)
     used = row["temp"] + row["args"] + row["outputs"] - row["alias"]
     return used <= memory, used
 
 
-def largest_cube(variant, memory, min_bytes, lo, hi, console, dtype_policy=None):
+def largest_cube(variant, memory, min_bytes, lo, hi, console, dtype_policy=None, options=None):
     """Binary search over edges (multiples of 16) in [lo, hi]: the largest that fits, with each probe logged."""
     best, lo, hi = None, lo // 16, hi // 16
     while lo <= hi:
         mid = (lo + hi) // 2
-        fits, used = cube_fits(16 * mid, variant, memory, min_bytes, dtype_policy)
+        fits, used = cube_fits(16 * mid, variant, memory, min_bytes, dtype_policy, options)
         console.log(f"{variant} {16 * mid}^3: {used / 2**30:.2f} GiB of {memory / 2**30:.0f}, "
                     f"{'fits' if fits else 'does not fit'}")
         if fits:
@@ -209,7 +209,8 @@ def main(argv=None) -> int:
     if args.max_cube:
         memory = int(args.cube_gib * 2**30)
         lo, hi = (int(v) for v in args.cube_range.split(","))
-        found = {v: largest_cube(v, memory, args.min_bytes, lo, hi, console, args.dtype_policy)
+        found = {v: largest_cube(v, memory, args.min_bytes, lo, hi, console, args.dtype_policy,
+                                 json.loads(args.xla_options))
                  for v in args.variants.split(",")}
         for variant, edge in found.items():
             console.print(f"{variant}: largest cube {edge}^3 at {args.cube_gib:g} GiB"
