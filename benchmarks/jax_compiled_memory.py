@@ -1,8 +1,10 @@
 """Device and host memory of one Keras training step on the JAX back end, compiled for an H100 without one.
 
-    KERAS_BACKEND=jax JAX_PLATFORMS=cpu python benchmarks/jax_compiled_memory.py            # the three U-Nets
+    KERAS_BACKEND=jax JAX_PLATFORMS=cpu python benchmarks/jax_compiled_memory.py            # the three U-Nets, ~4 min
     KERAS_BACKEND=jax JAX_PLATFORMS=cpu python benchmarks/jax_compiled_memory.py --quick    # a small U-Net
     ... --variants plain,host_residuals --models 3d48 --json out.json
+    ... --variants plain,host_residuals --device-memory-mib 250    # XLA assumes 250 MiB of device memory
+    ... --max-cube --variants plain,host_residuals [--dtype-policy mixed_float16]   # largest cube at 16 GiB, ~2 min
 
 Needs the jax CUDA plugin (``pip install "jax[cuda12]"``), no GPU: each step (forward, MSE loss, gradients,
 Adam update; Keras' ``compute_loss_and_updates`` and ``optimizer.stateless_apply``, state donated as ``fit``
