@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.keras-lms-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install test test-fast test-horovod lint docs bench demo horovod clean-venv
+.PHONY: install test test-fast test-horovod test-jax-compile lint docs bench demo horovod clean-venv
 
 install: $(STAMP) $(HVD_STAMP)
 
@@ -40,6 +40,19 @@ test-fast: $(STAMP)
 
 test-horovod: install
 	$(PY) -m pytest -q -ra -m horovod tests/horovod
+
+# The JAX offload, checked in the program XLA compiles for an H100 (no GPU needed, but the jax CUDA plugin: ~5.5 GB,
+# so its own environment, .venv-jax, made on first use; docs/jax_findings.md).
+JAX_VENV := .venv-jax
+JAX_STAMP := $(JAX_VENV)/.keras-lms-installed
+$(JAX_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/pip install -q --upgrade pip
+	$(JAX_VENV)/bin/pip install -q "jax[cuda12]" -e ".[dev]"
+	touch $@
+
+test-jax-compile: $(JAX_STAMP)
+	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(JAX_VENV)/bin/python -m pytest -q -ra tests/offload/jax
 
 # ruff, configured in pyproject.toml ([tool.ruff]).
 lint: $(STAMP)

@@ -4,8 +4,9 @@ tests`` (Keras picks its backend once per process, so each backend is its own py
 A test is backend-neutral unless marked: ``@pytest.mark.tensorflow`` / ``@pytest.mark.torch`` (a module says it
 with ``pytestmark``) make it run only under that backend; under the other one it is skipped, with the marker's
 ``reason=`` where it has one.
-Everything under tests/offload/torch/ is torch-only and everything under tests/horovod/ TensorFlow-only, whether or not
-the module repeats the marker (``_PATH_BACKEND``).
+Everything under tests/offload/torch/ is torch-only, everything under tests/offload/jax/ JAX-only (``make
+test-jax-compile``: its own environment with the jax CUDA plugin) and everything under tests/horovod/ TensorFlow-only,
+whether or not the module repeats the marker (``_PATH_BACKEND``).
 """
 
 import os
@@ -21,11 +22,12 @@ import keras
 import pytest
 
 BACKEND = keras.backend.backend()
-BACKEND_MARKERS = ("tensorflow", "torch")
+BACKEND_MARKERS = ("tensorflow", "torch", "jax")
 _HERE = pathlib.Path(__file__).resolve().parent
 # Paths under tests/ that belong to one backend as a whole: the directory (or module) -> (backend, reason).
 _PATH_BACKEND = {
     "offload/torch": ("torch", None),
+    "offload/jax": ("jax", None),
     "horovod": ("tensorflow", "keras_lms.horovod runs on TensorFlow"),
 }
 

@@ -1,0 +1,84 @@
+"""The host-residual offload in the program XLA compiles for an H100 (deviceless compile; needs the jax CUDA plugin,
+``pip install "jax[cuda12]"``, and no GPU): one training step of a small U-Net (forward, MSE loss, gradients, Adam)
+needs at most half the plain step's device temporaries, its HLO copies residuals to host memory ``S(5)`` and back,
+and its host temporaries are the bytes it meant to offload (within 25%). The negative control: the naive per-layer
+``jax.checkpoint`` offload fails the same check (XLA schedules each copy to host late). Figures for the
+docs/benchmarks.md U-Nets: ``python benchmarks/jax_compiled_memory.py`` (docs/jax_findings.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.models import unet  # noqa: E402
+from keras_lms.offload.jax import deviceless, host_residuals  # noqa: E402
+
+pytestmark = [pytest.mark.jax, pytest.mark.jax_gpu_compile]
+
+MAX_RATIO = 0.5
+
+
+@pytest.fixture(scope="module")
+def h100():
+    try:
+        return deviceless.h100_device()
+    except deviceless.GpuCompileUnavailable as error:
+        pytest.skip(f"no deviceless GPU compile here: {error}")
+
+
+def _compile(variant: str):
+    keras.utils.set_random_seed(0)
+    model = unet((64, 64, 64, 1), 8, levels=2)
+    model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((1, 64, 64, 64, 1), "float32")
+    y = np.zeros((1, 64, 64, 64, 1), "float32")
+    model._symbolic_build(data_batch=(x, y))
+    model.optimizer.build(model.trainable_variables)
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    record = []
+    if variant == "host_residuals":
+        with host_residuals.host_residuals(layers, record=record):
+            return deviceless.compile_keras_step(model, x, y), sum(b for _, b in record)
+    if variant == "naive":
+        naive = [layer for layer in layers if not isinstance(layer, keras.layers.Concatenate)]
+        with host_residuals.checkpoint_offloading(naive):
+            return deviceless.compile_keras_step(model, x, y), None
+    return deviceless.compile_keras_step(model, x, y), 0
+
+
+@pytest.fixture(scope="module")
+def plain(h100):
+    return _compile("plain")[0]
+
+
+def _offload_problems(info, plain, offloaded_bytes) -> list:
+    """What keeps a compiled step from being the offload the issue asks for (empty when it is one)."""
+    problems = []
+    ratio = info.temp_bytes / plain.temp_bytes
+    if ratio > MAX_RATIO:
+        problems.append(f"device temp {info.temp_bytes / 2**20:.1f} MiB is {ratio:.2f}x plain "
+                        f"({plain.temp_bytes / 2**20:.1f} MiB), above {MAX_RATIO}")
+    if not (info.to_host_copies and info.to_device_copies):
+        problems.append(f"copies to/from S(5): {info.to_host_copies}/{info.to_device_copies}")
+    if offloaded_bytes is not None and abs(info.host_temp_bytes - offloaded_bytes) > 0.25 * offloaded_bytes:
+        problems.append(f"host temp {info.host_temp_bytes} B vs offloaded {offloaded_bytes} B")
+    return problems
+
+
+def test_host_residuals_halve_device_temp_with_copies_to_host(plain):
+    info, offloaded = _compile("host_residuals")
+    assert offloaded > 0
+    assert _offload_problems(info, plain, offloaded) == []
+    assert info.argument_bytes == plain.argument_bytes
+
+
+def test_negative_control_the_naive_per_layer_checkpoint_offload_fails(plain):
+    info, _ = _compile("naive")
+    assert info.to_host_copies > 0, "the naive version offloads too (its copies are in the HLO)..."
+    problems = _offload_problems(info, plain, None)
+    assert problems and "device temp" in problems[0], "...but saves no device memory"
+    assert info.temp_bytes >= plain.temp_bytes
