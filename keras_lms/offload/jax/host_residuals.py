@@ -19,7 +19,7 @@ places it just before its copy back, and the device buffer lives through the who
 
 Nothing is recomputed: the backward uses the forward's own residuals, brought back from host. Both functions are
 meant to run as a layer's ``call`` (inside ``Layer.__call__``, so Keras has resolved ``training``, masks and
-the autocast scope), with ``original`` the layer's own ``call``; `keras_lms._keras_adapter.calls.patched_calls`
+the autocast scope), with ``original`` the layer's own ``call``; `keras_lms._keras_adapter.patched_calls`
 installs such a stand-in.
 """
 
@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
+from keras import StatelessScope
 
-from keras_lms._keras_adapter.calls import patched_calls
+from keras_lms import _keras_adapter as adapter
 from keras_lms.offload.jax.lean import lean_pullback_for
 
 __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "host_residual_call",
@@ -43,15 +43,6 @@ __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "
 OFFLOAD_NAME = "keras_lms_offload"
 DEFAULT_MIN_BYTES = 256 << 10
 BARRIERS = frozenset({"forward", "backward", "gradients"})
-
-
-def _current_value(variable):
-    """The variable's value in the enclosing stateless scope (the step's traced value), without autocast."""
-    if in_stateless_scope():
-        value = get_stateless_scope().get_current_value(variable)
-        if value is not None:
-            return value
-    return variable.value
 
 
 def _is_array(leaf) -> bool:
@@ -87,7 +78,8 @@ def stateless_pure_call(layer, original: Callable, args: tuple, kwargs: dict):
         for variable, value in zip(non_trainable_vars, new_non_trainable):
             variable.assign(value)
 
-    return (fn, [_current_value(v) for v in trainable_vars], [_current_value(v) for v in non_trainable_vars],
+    # the step's traced values (the enclosing stateless scope's), in their storage dtype: no autocast
+    return (fn, adapter.raw_values(trainable_vars), adapter.raw_values(non_trainable_vars),
             [leaves[i] for i in array_at], assign_back)
 
 
@@ -237,7 +229,7 @@ def host_residuals(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES, record:
     def make(layer, original):
         return functools.partial(host_residual_call, layer, original, min_bytes=min_bytes, record=record, **options)
 
-    with patched_calls(list(layers), make):
+    with adapter.patched_calls(list(layers), make):
         yield
 
 
@@ -247,5 +239,5 @@ def checkpoint_offloading(layers: Iterable, min_bytes: int = DEFAULT_MIN_BYTES):
     def make(layer, original):
         return functools.partial(checkpoint_offload_call, layer, original, min_bytes=min_bytes)
 
-    with patched_calls(list(layers), make):
+    with adapter.patched_calls(list(layers), make):
         yield
