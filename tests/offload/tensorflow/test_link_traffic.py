@@ -58,7 +58,7 @@ def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows)
 
 def test_fused_chains_move_a_quarter_less_in_the_executed_graph(rows):
     """slab_chains: the same models with fused BatchNorm -> ReLU -> convolution chains and without, side by side
-    (measured -24%/-25%): a fused activation's output is never copied, its windows come back only once, and
+    (measured -26%/-26%): a fused activation's output is never copied, its windows come back only once, and
     BatchNorm's first backward pass reads no windows of its own."""
     by_case = {r["case"]: r for r in rows}
     for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
@@ -74,16 +74,15 @@ def test_exact_row_convolutions_convolve_no_halo_in_the_executed_graph(rows):
     (the input gradient its window's: 2h extra rows instead of 4h for each gradient and 2h forward) and its
     backward reads the forward's window, not one twice as wide. Counted in the convolution ops grappler left on
     the virtual GPU, beside the control that convolves every window whole and crops (EXACT_ROWS off). Measured:
-    extra convolution FLOPs -27% (3D) / -30% (2D), copies back -4.3% / -2.8%; the decoder's convolution over a
-    concatenation keeps its halo rows in both (slab_plan.plan_slabs says why), and it is most of what is left."""
+    extra convolution FLOPs -80% (3D and 2D), copies back -12.6% (3D) / -7.7% (2D), copies out the same."""
     by_case = {r["case"]: r for r in rows}
     for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
         exact, control = by_case[f"{model}, fused chains"], by_case[f"{model}, fused chains, halo rows convolved"]
         assert exact["exact_rows"] and not control["exact_rows"] and exact["slabs"] == control["slabs"] >= 4
         assert control["measured_recompute_flops"] > 0.1 * control["plain_conv_flops"], control
-        assert 0 < exact["measured_recompute_flops"] < 0.8 * control["measured_recompute_flops"], (exact, control)
+        assert 0 < exact["measured_recompute_flops"] < 0.3 * control["measured_recompute_flops"], (exact, control)
         assert exact["measured_out"] == control["measured_out"]  # the same copies go out
-        assert exact["measured_in"] < 0.99 * control["measured_in"], (exact, control)  # narrower windows back
+        assert exact["measured_in"] < 0.95 * control["measured_in"], (exact, control)  # narrower windows back
 
 
 def test_step_time_benchmark_smoke(tmp_path):
