@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("jax")
 
-import keras  # noqa: E402
+import keras
 
-import keras_lms  # noqa: E402
+import keras_lms
 
 pytestmark = pytest.mark.jax
 
