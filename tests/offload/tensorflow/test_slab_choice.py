@@ -43,12 +43,14 @@ def test_a_profile_picks_larger_slabs_that_still_fit_and_a_shorter_step(model):
 def test_faster_slabs_that_do_not_fit_are_not_chosen():
     # The 3D U-Net at 384^3, 16 GiB: larger slabs would be faster (fewer halos) but do not fit the budget with
     # the planner's margin, so the profile leaves the planner's choice (the configured size halved) alone.
+    # Measured on h100-pcie5 with exact-row convolution slabs: 128 MiB 1.391 s; 512 MiB 1.342 s but 16.76 GiB.
+    # (1 GiB is no longer faster, 1.398 s: with exact rows the halos cost less than its extra copies.)
     big = unet((384, 384, 384, 1), 16)
     chosen = keras_lms.report(big, batch_size=1, device_budget="16GiB", config=keras_lms.LMSConfig(
         device_profile="h100-pcie5"), device_profile="h100-pcie5")
     assert slab_sizes(chosen.rows) == {"128.0 MiB"} and chosen.totals["fits_device_budget"]
     larger = keras_lms.report(big, batch_size=1, config=keras_lms.LMSConfig(
-        slab_bytes="1GiB", device_profile="h100-pcie5"), device_profile="h100-pcie5")
+        slab_bytes="512MiB", device_profile="h100-pcie5"), device_profile="h100-pcie5")
     assert larger.times["as planned"].step_seconds < chosen.times["as planned"].step_seconds
     assert larger.wrapped.budget_bytes > 16 << 30
     keras.backend.clear_session()
