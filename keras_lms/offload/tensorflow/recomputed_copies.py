@@ -68,7 +68,7 @@ class RecomputedWindows:
             moments = lambda x: (mean, variance)  # noqa: E731
         with on_device(reader.compute_device):
             if plan.exact_rows:  # slab_rows: the window padded to full width, the "valid" call gives rows [a, b)
-                windows = [slabs.pad_rows(w, lo - (a - plan.halo), b + plan.halo - hi) for w in windows]
+                windows = [slabs.halo_padded(w, plan, a, b, lo, hi) for w in windows]
             outputs, _, _ = self._slab_call(producer, windows, producer.trainable, moments)
             y = tf.nest.flatten(outputs)[0]
             return y if plan.exact_rows or (lo, hi) == (a, b) else slabs.rows(y, a - lo, b - lo)

@@ -31,7 +31,7 @@ class SlabCalls(RecomputedWindows):
         if exact:
             windows = [slab_rows.padded(w, record.unit, 0, 0) for w in windows]
         call_args, call_kwargs = common.rebuild(record.template, record.positions, windows)
-        with given_moments(record.unit, moments), (slab_rows.valid_call(record.unit) if exact
+        with given_moments(record.unit, moments), (adapter.valid_convolution(record.unit) if exact
                                                    else contextlib.nullcontext()):
             return adapter.run_stateless(record.unit, record.original, values, record.snapshot, call_args,
                                          call_kwargs, record.autocast)

@@ -27,9 +27,9 @@ class SlabPlan:
 
     ``exact_rows``: a convolution computed as exactly its slab's rows (``slab_rows``): its forward convolves
     "valid" along AXIS over the window's ``s1 - s0 + 2h`` rows, its backward reads the same window (not one
-    twice as wide) and convolves exactly ``s1 - s0`` rows for each gradient. Otherwise a slab convolves its
-    whole window "same" and crops: ``2h`` extra rows forward and ``4h`` backward, 23% more convolution FLOPs
-    in 14-row slabs of a 3x3x3 convolution.
+    twice as wide), convolves exactly ``s1 - s0`` rows for the weight gradient and the window's rows for the
+    input gradient. Otherwise a slab convolves its whole window "same" and crops: ``2h`` extra rows forward and
+    ``4h`` for each gradient, 23% more convolution FLOPs in 14-row slabs of a 3x3x3 convolution.
     """
 
     length: int
@@ -97,8 +97,8 @@ def plan_slabs(unit, shapes, nbytes: int, slab_bytes: int, output_bytes: int = 0
 def computes_exact_rows(unit) -> bool:
     """Whether a slab-computed call of ``unit`` can convolve exactly its slab's rows (``slab_rows``): Keras'
     own ``Conv1D/2D/3D`` call, ``"same"``, stride and dilation 1, odd kernels on every axis (symmetric padding),
-    one group and a linear activation (the input gradient is then the output gradient convolved with the
-    flipped kernel, and needs no input rows; a fused non-linear activation would need its output's)."""
+    one group and a linear activation (the input gradient is then the transposed convolution of the output
+    gradient, and needs no input rows; a fused non-linear activation would need its output's)."""
     if not (layer_facts.is_keras_class(unit, {"Conv1D", "Conv2D", "Conv3D"})
             and layer_facts.runs_keras_kernel_call(unit)):
         return False

@@ -12,8 +12,8 @@ How (``SlabPlan.exact_rows``, chosen by ``slab_plan.computes_exact_rows``):
 
 * the window is zero-padded to exactly ``s1 - s0 + 2h`` rows where it meets the tensor's edge (what "same"
   pads there) and by the kernel's half width along every other spatial axis, and the layer's own ``call`` runs
-  on it with ``padding="valid"``: its output is rows ``[s0, s1)``, nothing cropped (``padded`` and
-  ``valid_call``);
+  on it with ``padding="valid"``: its output is rows ``[s0, s1)``, nothing cropped (``slabs.halo_padded``,
+  ``padded`` and ``adapter.valid_convolution``);
 * the weight gradients differentiate that call with the output gradient's rows ``[s0, s1)``: each output row
   once, as in the whole call;
 * the input gradient is the transposed convolution of the output gradient's rows ``[s0 - h, s1 + h)``, cropped
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_lms import _keras_adapter as adapter
 from keras_lms.offload.tensorflow.slab_plan import AXIS
 
 
@@ -55,12 +54,6 @@ def padded(x, unit, before: int, after: int):
         # two columns short); an EnsureShape between the pads (no copy) keeps the fusion to the adjacent Pad.
         x = tf.ensure_shape(x, x.shape, name="lms_pad_fence")
     return tf.pad(x, paddings)
-
-
-def valid_call(unit):
-    """Within the block, the convolution's own ``call`` convolves ``"valid"`` (``adapter.valid_convolution``;
-    canary in tests/test_keras_adapter.py)."""
-    return adapter.valid_convolution(unit)
 
 
 def input_gradient(unit, dy):

@@ -108,6 +108,12 @@ def pad_rows(x, before, after):
     return tf.pad(x, paddings)
 
 
+def halo_padded(x, plan: SlabPlan, s0: int, s1: int, a: int, b: int):
+    """Window ``x`` (rows [a, b), clamped to the tensor) with zero rows where [s0 - h, s1 + h) leaves the tensor:
+    exactly the ``s1 - s0 + 2h`` rows an exact-rows convolution (``slab_rows``) computes rows [s0, s1) from."""
+    return pad_rows(x, a - (s0 - plan.halo), s1 + plan.halo - b)
+
+
 def gated(deps):
     """``tf.control_dependencies`` on the tensors in ``deps`` (nested lists allowed) that exist."""
     return tf.control_dependencies([d for d in tf.nest.flatten(deps) if d is not None])
@@ -148,8 +154,7 @@ def forward(run, window_of, n_inputs: int, plan: SlabPlan):
         a, b = plan.forward_window(s0, s1)
         windows = [window_of(i, a, b, prev) for i in range(n_inputs)]
         if plan.exact_rows:  # run() convolves "valid": its output is rows [s0, s1) (slab_rows)
-            output, new_state, losses = run([pad_rows(w, a - (s0 - plan.halo), s1 + plan.halo - b)
-                                             for w in windows])
+            output, new_state, losses = run([halo_padded(w, plan, s0, s1, a, b) for w in windows])
             piece = output
         else:
             output, new_state, losses = run(windows)
@@ -201,7 +206,7 @@ def backward(plan: SlabPlan, dy, window_of, differentiate, n_inputs: int, n_weig
             if plan.exact_rows:
                 # slab_rows: windows padded to full width for the "valid" call, whose output rows [s0, s1) the
                 # weight gradients read; the input gradient is the transposed convolution of dy's rows [a, b)
-                windows = [pad_rows(w, a - (s0 - plan.halo), s1 + plan.halo - b) for w in windows]
+                windows = [halo_padded(w, plan, s0, s1, a, b) for w in windows]
                 dy_inputs = rows(dy, g0, g1)
                 dy_weights = rows(dy, s0, s1)
             else:
