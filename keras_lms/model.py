@@ -22,11 +22,7 @@ from keras_lms.planning import rules
 # Training/evaluation hooks a model may override; an overridden one is run on the inner model (see train_step).
 STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
-XLA_MESSAGE = (
-    "keras-lms cannot run under XLA: jit_compile=True ignores the explicit host placement that offloading "
-    "relies on, so activations would silently stay on the device. Compile the wrapped model with "
-    "jit_compile=False (jit_compile='auto' is resolved to False for wrapped models)."
-)
+XLA_MESSAGE = offload.common.XLA_MESSAGE
 
 
 def _check_wrappable(model) -> None:
@@ -201,21 +197,22 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
         with adapter.patched_attribute(inner, "call", offloading_call):
             yield
 
-    def train_step(self, data):
+    # `*args`: TensorFlow's and torch's steps take `(data)`, JAX's stateless ones `(state, data)`.
+    def train_step(self, *args):
         if not self._custom_steps:
-            return super().train_step(data)
+            return super().train_step(*args)
         with self._offloading_inner_calls():
-            return self.inner_model.train_step(data)
+            return self.inner_model.train_step(*args)
 
-    def test_step(self, data):
+    def test_step(self, *args):
         if not self._custom_steps:
-            return super().test_step(data)
-        return self.inner_model.test_step(data)
+            return super().test_step(*args)
+        return self.inner_model.test_step(*args)
 
-    def predict_step(self, data):
+    def predict_step(self, *args):
         if not self._custom_steps:
-            return super().predict_step(data)
-        return self.inner_model.predict_step(data)
+            return super().predict_step(*args)
+        return self.inner_model.predict_step(*args)
 
     @property
     def metrics(self):
@@ -331,18 +328,16 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
 
     # ---------------------------------------------------------------- compiling
     def compile(self, *args, jit_compile="auto", **kwargs):
-        if jit_compile is True:
-            raise ValueError(XLA_MESSAGE)
-        if jit_compile not in ("auto", False):
-            raise ValueError(f"jit_compile must be False or 'auto' for a wrapped model; got {jit_compile!r}.")
-        super().compile(*args, jit_compile=False, **kwargs)
+        # TensorFlow and torch refuse XLA (it ignores host placement); on JAX the offload is built for XLA.
+        jit_compile = self._offload.resolve_jit_compile(jit_compile)
+        super().compile(*args, jit_compile=jit_compile, **kwargs)
         if self._custom_steps:
             # The inner model's own steps read its compile state: give it the same optimizer object (one set of
             # slots, shared by both), loss and metrics. See Note: [custom train steps].
             bound = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs)
             bound.arguments.pop("self")
             bound.arguments["optimizer"] = self.optimizer
-            self.inner_model.compile(**bound.arguments, jit_compile=False)
+            self.inner_model.compile(**bound.arguments, jit_compile=jit_compile)
 
     def compile_from_config(self, config):
         """Re-compile on load (Keras skips this for models that override `compile`)."""
@@ -353,14 +348,13 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
 
     @property
     def jit_compile(self):
-        return False
+        return getattr(self, "_lms_jit_compile", False)
 
     @jit_compile.setter
     def jit_compile(self, value):
-        # Keras' Trainer assigns jit_compile in compile(); the getter above always answers False, so nothing is
-        # stored (Keras' private `_jit_compile` is read only by the Trainer getter this class overrides).
-        if value is True:
-            raise ValueError(XLA_MESSAGE)
+        # Keras' Trainer assigns jit_compile in compile(); the back end says what a wrapped model can run under
+        # (Keras' private `_jit_compile` is read only by the Trainer getter this class overrides).
+        self._lms_jit_compile = self._offload.resolve_jit_compile(value)
 
     def get_config(self):
         return {

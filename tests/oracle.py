@@ -7,8 +7,9 @@ state after the step.
 
 Only how a step takes gradients is backend-specific (``_STEPS``, chosen by ``keras.backend.backend()``):
 ``tf.GradientTape``, in a ``tf.function`` unless ``graph=False``, on TensorFlow; ``loss.backward()`` and
-``.grad``, as Keras' torch trainer does it, on torch (always eager: ``graph`` is ignored). Everything else is
-``keras.ops`` and NumPy, so both backends compare by the same arithmetic.
+``.grad``, as Keras' torch trainer does it, on torch (always eager: ``graph`` is ignored); ``jax.value_and_grad``
+of the model's ``stateless_call``, as Keras' JAX trainer does it, in a ``jax.jit`` unless ``graph=False``, on
+JAX. Everything else is ``keras.ops`` and NumPy, so every backend compares by the same arithmetic.
 """
 
 import keras
@@ -62,12 +63,13 @@ def _same_rng(a, b):
     return torch.equal(a[0], b[0])
 
 
-def _loss(model, outputs, targets):
+def _loss(model, outputs, targets, losses=None):
     ops = keras.ops
     flat_o, flat_t = keras.tree.flatten(outputs), keras.tree.flatten(targets)
     loss = sum(ops.mean(ops.square(ops.cast(o, t.dtype) - t)) for o, t in zip(flat_o, flat_t))
-    if model.losses:
-        loss = loss + sum(ops.cast(extra, loss.dtype) for extra in model.losses)
+    losses = model.losses if losses is None else losses
+    if losses:
+        loss = loss + sum(ops.cast(extra, loss.dtype) for extra in losses)
     return loss
 
 
@@ -102,7 +104,26 @@ def _torch_step(model, x, y, graph):
     return loss.detach(), grads, [o.detach() for o in keras.tree.flatten(out)]
 
 
-_STEPS = {"tensorflow": _tensorflow_step, "torch": _torch_step}
+def _jax_step(model, x, y, graph):
+    import jax
+
+    x = _to_tensors(x)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss_fn(trainable, non_trainable):
+        out, new_non_trainable, losses = model.stateless_call(trainable, non_trainable, x, training=True,
+                                                              return_losses=True)
+        return _loss(model, out, y, losses), (out, new_non_trainable)
+
+    step = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, (out, new_non_trainable)), grads = (jax.jit(step) if graph else step)(trainable, non_trainable)
+    for variable, value in zip(model.non_trainable_variables, new_non_trainable):
+        variable.assign(value)
+    return loss, grads, keras.tree.flatten(out)
+
+
+_STEPS = {"tensorflow": _tensorflow_step, "torch": _torch_step, "jax": _jax_step}
 
 
 def train_step(model, x, y, graph=True):
@@ -118,6 +139,19 @@ def input_gradient(model, x, graph=True):
         out = model(x, training=True)
         out.sum().backward()
         return _numpy(out.detach()), _numpy(x.grad)
+    if BACKEND == "jax":
+        import jax
+
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def total(inputs):
+            out, _ = model.stateless_call(trainable, non_trainable, inputs, training=True)
+            return keras.ops.sum(out), out
+
+        fn = jax.value_and_grad(total, has_aux=True)
+        (_, out), g = (jax.jit(fn) if graph else fn)(keras.ops.convert_to_tensor(x))
+        return _numpy(out), _numpy(g)
     import tensorflow as tf
 
     x = tf.constant(x)

@@ -6,6 +6,7 @@ dominated by cancellation (|dL/dbeta| ~ 2e4 while dL/dgamma ~ 20), so any change
 by ~1e-2 relative. In float64 the same comparison is exact to ~1e-10, which is the honest oracle for this model.
 """
 
+import contextlib
 import time
 
 import keras
@@ -29,6 +30,7 @@ _OPEN = {
     # torch: DenseNet121 differed by ~5e-7 (float64) until host copies kept the original's strides (a contiguous
     # copy of a channels-last permutation changed the summation order of a max pooling's backward downstream).
     "torch": {},
+    "jax": {},
 }[BACKEND]
 
 
@@ -39,12 +41,48 @@ _OPEN = {
     for n in sorted(models.APPLICATIONS)], indirect=["dtype_policy"])
 def test_application_matches_plain(name, dtype_policy):
     build, size, dtype, tol = models.APPLICATIONS[name]
+    if BACKEND == "jax":
+        tol = JAX_TOLERANCE[dtype]
+        if dtype == "float64":
+            with _jax_x64():
+                return _application_matches_plain(name, build, size, dtype, tol)
+    return _application_matches_plain(name, build, size, dtype, tol)
+
+
+# On JAX, XLA compiles the wrapped and the plain step into two programs: the optimisation barriers and custom_vjp
+# boundaries change how it fuses and orders the backward's reductions, so the two differ by rounding, not by the
+# same kernels run in the same order as on TensorFlow and torch. At these small inputs the last BatchNorms see
+# 1x1 or 2x2 maps at batch 2, where the input gradient is a cancellation proportional to eps/var, and that
+# amplifies the rounding: measured on the JAX CPU back end, ConvNeXtTiny, ResNet50, VGG16 and Xception match to
+# 1.2e-7 or exactly, EfficientNetB0 to 1.7e-5, MobileNetV3Small to 3e-4, MobileNetV2 to 2e-4 (2.2e-3 with its
+# BatchNorms left unwrapped, so not the BatchNorm offload), DenseNet121 in float64 to 2e-4. The loss, the
+# outputs and every BatchNorm statistic and seed state match (1e-6) in all of them, and a small float64
+# Conv/BatchNorm/ReLU6/DepthwiseConv model matches to 1e-12 (tests/offload/jax/test_wrap.py).
+JAX_TOLERANCE = {"float32": 5e-3, "float64": 1e-3}
+
+
+@contextlib.contextmanager
+def _jax_x64():
+    """float64 on JAX needs x64 (else JAX silently computes in float32)."""
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def _application_matches_plain(name, build, size, dtype, tol):
     keras.utils.set_random_seed(0)
     model = build()
     x = np.random.default_rng(0).random((2, size, size, 3)).astype(dtype)
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1)
     start = time.perf_counter()
     result = assert_matches(model, wrapped, x, tol=tol)
+    if BACKEND == "jax":  # only the gradients carry XLA's reordering (JAX_TOLERANCE)
+        assert max(result["loss"], result["outputs"], *result["state"].values()) <= 1e-6, result
     offloaded = sum(e.offloaded for e in wrapped.lms_plan)
     assert offloaded >= len(wrapped.lms_plan) // 2
     print(f"{name}: {len(wrapped.lms_plan)} calls, {offloaded} offloaded, max grad rel err "

@@ -77,6 +77,7 @@ def test_config_object_is_used(model):
     assert wrapped.lms_config.min_bytes == 2048 and wrapped.lms_config.keep_last == 0
 
 
+@pytest.mark.skipif(keras.backend.backend() == "jax", reason="on JAX the offload is built for XLA (next test)")
 def test_jit_compile_refused(model):
     wrapped = keras_lms.wrap(model)
     with pytest.raises(ValueError, match="XLA.*jit_compile=False"):
@@ -85,6 +86,18 @@ def test_jit_compile_refused(model):
     assert wrapped.jit_compile is False
     with pytest.raises(ValueError, match="XLA"):
         wrapped.jit_compile = True
+
+
+@pytest.mark.jax
+def test_jit_compile_is_xla_on_jax(model):
+    """Keras' JAX trainer jits the step by default, and the JAX offload is built for what XLA compiles."""
+    wrapped = keras_lms.wrap(model)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    assert wrapped.jit_compile is True
+    wrapped.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    assert wrapped.jit_compile is False
+    with pytest.raises(ValueError, match="jit_compile must be True, False or 'auto'"):
+        wrapped.compile(optimizer="sgd", loss="mse", jit_compile="yes")
 
 
 def test_unwrap_rejects_plain_model(model):

@@ -12,10 +12,13 @@ from tests.oracle import (
     assert_matches,
     compare_step,
     input_gradient,
+    relative_error,
     restore,
     rng_state,
     set_rng_state,
     snapshot,
+    targets_for,
+    train_step,
 )
 
 RNG = np.random.default_rng(0)
@@ -47,13 +50,14 @@ def test_eager_step_matches_plain(name):
 def test_tied_weights_reader_is_offloaded_on_tensorflow_and_kept_on_torch():
     """A call that reads a trainable variable another layer owns (TiedProjection reads encode/kernel): TensorFlow's
     custom_gradient returns that variable's gradient (``variables=``), so it is offloaded; torch's recompute
-    returns gradients only for the call's own variables, so the planning trace finds the read and keeps the call
-    (before, torch lost 0.5-0.8 of encode/kernel's gradient). Exactness for both: test_wrapped_step_matches_plain."""
+    returns gradients only for the call's own variables, and JAX's custom_vjp sees only them (a foreign read got
+    no gradient: 1.13 relative error on encode/kernel), so the planning trace finds the read and keeps the call
+    (before, torch lost 0.5-0.8 of encode/kernel's gradient). Exactness for all: test_wrapped_step_matches_plain."""
     build, data = CASES["tied_weights"]
     wrapped = keras_lms.wrap(build(), min_bytes=0, keep_last=0)
     wrapped(data(), training=False)
     entry = next(e for e in wrapped.lms_plan if e.layer_class == "TiedProjection")
-    if keras.backend.backend() == "torch":
+    if keras.backend.backend() in ("torch", "jax"):
         assert not entry.offloaded and "encode/kernel" in entry.reason, entry.reason
         assert entry.unoffloadable and "encode/kernel" in entry.unoffloadable  # the trace's finding, on the plan
         assert sum(e.offloaded for e in wrapped.lms_plan) >= 2  # the other calls still are
@@ -74,7 +78,7 @@ def test_state_updates_happen_once_per_step():
 
 
 # The tolerances of the two suites this module merges: rtol 1e-6 on TensorFlow, bit-identical on torch.
-DROPOUT_GRADIENT_RTOL = {"tensorflow": 1e-6, "torch": 0.0}
+DROPOUT_GRADIENT_RTOL = {"tensorflow": 1e-6, "torch": 0.0, "jax": 0.0}
 
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["unseeded", "seeded"])
@@ -106,7 +110,9 @@ def test_batchnorm_statistics_of_the_recompute_match():
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
     result = assert_matches(model, wrapped, images(size=8, channels=4))
     assert {bn.moving_mean.path, bn.moving_variance.path} <= set(result["state_changed"])
-    assert result["grads"][bn.gamma.path] == 0.0
+    # JAX saves the forward's residuals instead of recomputing, and XLA fuses the wrapped step's reductions around
+    # its optimisation barriers in another order: float32 summation order (measured 3e-7), not another batch.
+    assert result["grads"][bn.gamma.path] <= (1e-6 if BACKEND == "jax" else 0.0)
 
 
 def test_shared_layer_gets_gradients_from_every_call():
@@ -121,9 +127,38 @@ def test_shared_layer_gets_gradients_from_every_call():
 def test_mixed_precision(mixed_precision):
     model = models.unet2d()
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
-    assert_matches(model, wrapped, images(size=32, channels=1), tol=1e-3)
+    if BACKEND == "jax":
+        _assert_float16_rounding_only(model, wrapped, images(size=32, channels=1))
+    else:
+        assert_matches(model, wrapped, images(size=32, channels=1), tol=1e-3)
     dtypes = {d for e in wrapped.lms_plan if e.offloaded for d in e.dtypes}
     assert "float16" in dtypes  # activations go to host in their own dtype
+
+
+def _assert_float16_rounding_only(model, wrapped, x):
+    """JAX: XLA sums a float16 bias gradient (thousands of float16 terms) in another order once the optimisation
+    barriers change its fusions (the lean transposed convolution sums in another order too): wrapped and plain
+    differ by up to ~3e-3 on biases, as much as either differs from the float32 step. So the oracle for the
+    gradients is the float32 step on the same weights: the wrapped step is no farther from it than plain (1.5x,
+    + 1e-3); loss, outputs and state still match plain to 1e-3."""
+    result = compare_step(model, wrapped, x)
+    for key in ("loss", "outputs"):
+        assert result[key] <= 1e-3, (key, result[key])
+    assert max(result["state"].values()) <= 1e-3
+    y = targets_for(model, x)
+    start = snapshot(model)
+    grads = {}
+    for name, candidate in (("plain", model), ("wrapped", wrapped)):
+        grads[name] = train_step(candidate, x, y)[1]
+        restore(model, start)
+    keras.mixed_precision.set_dtype_policy("float32")
+    reference = models.unet2d()
+    restore(reference, start)
+    grads["float32"] = train_step(reference, x, y)[1]
+    for path, g32, gp, gw in zip([v.path for v in model.trainable_variables], *(grads[k] for k in
+                                                                                  ("float32", "plain", "wrapped"))):
+        plain_error, wrapped_error = relative_error(g32, gp), relative_error(g32, gw)
+        assert wrapped_error <= 1.5 * plain_error + 1e-3, (path, wrapped_error, plain_error)
 
 
 # ----------------------------------------------------------------- how each backend makes the host copies

@@ -43,9 +43,13 @@ def active_backend() -> Backend:
         from keras_lms.offload import torch as backend_module
 
         return backend_module
+    if name == "jax":
+        from keras_lms.offload import jax as backend_module
+
+        return backend_module
     raise NotImplementedError(
-        f"keras-lms supports the TensorFlow and torch backends; KERAS_BACKEND is {name!r}. "
-        "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch before importing keras."
+        f"keras-lms supports the TensorFlow, torch and JAX backends; KERAS_BACKEND is {name!r}. "
+        "Set KERAS_BACKEND=tensorflow, torch or jax before importing keras."
     )
 
 
@@ -113,6 +117,11 @@ class Backend(Protocol):
 
     def input_gradient_from_output(self, unit) -> Callable | None:
         """`fn(y, dy)` giving the unit's input gradient from its output `y` (activation layers), or None."""
+        ...
+
+    def resolve_jit_compile(self, jit_compile) -> bool:
+        """The ``jit_compile`` a wrapped model compiles with when asked for ``jit_compile`` (True, False or
+        "auto"); ValueError, naming the fix, for one this back end's offload cannot run under."""
         ...
 
     def default_device(self) -> str:

@@ -73,23 +73,57 @@ def declared_inputs(model):
 def offloadable_reason(unit, foreign=None) -> str | None:
     """Why the back end cannot offload this unit's calls, or None if it can.
 
-    ``foreign`` lists what the planning trace found out about the unit: the paths of trainable variables of other
-    layers (tied weights) it reads, on a back end whose recompute returns gradients only for the unit's own
-    variables (``CallRecorder(keeps_foreign_readers=True)``, torch). The trace keeps the finding on the plan
-    (``PlanEntry.unoffloadable``), not on the model's structure, which is read-only.
+    ``foreign`` lists what the planning trace found out about the unit: the paths of variables of other layers
+    (tied weights) it reads, on a back end whose offloaded call takes only the unit's own variables
+    (``CallRecorder(foreign_reads=...)``: torch's recompute returns gradients only for them, JAX's ``custom_vjp``
+    sees only them). The trace keeps the finding on the plan (``PlanEntry.unoffloadable``), not on the model's
+    structure, which is read-only.
     """
     if adapter.is_quantized(unit):
         return "quantized layers are not intercepted (they run quantized_call)"
     if foreign:
-        return (f"reads trainable variables of other layers ({', '.join(foreign)}); the recompute returns "
-                "gradients only for the layer's own variables, so the call runs plainly")
+        return (f"reads {'trainable ' if foreign.trainable_only else ''}variables of other layers "
+                f"({', '.join(foreign)}); the offloaded call takes only the layer's own variables, so the call "
+                "runs plainly")
     return None
 
 
-def foreign_trainable_reads(unit, variables) -> list:
-    """The trainable variables among ``variables`` that ``unit`` does not own (e.g. a tied projection's kernel)."""
+class ForeignReads(list):
+    """Paths of the variables of other layers a call read (a list), and whether only trainable ones count."""
+
+    def __init__(self, paths, trainable_only: bool):
+        super().__init__(paths)
+        self.trainable_only = trainable_only
+
+
+def foreign_trainable_reads(unit, variables) -> ForeignReads:
+    """The trainable variables among ``variables`` that ``unit`` does not own (e.g. a tied projection's kernel):
+    torch's recompute reads every variable's current value, but returns gradients only for the unit's own."""
     own = {id(v) for v in getattr(unit, "trainable_variables", [])}
-    return [v for v in variables if getattr(v, "trainable", False) and id(v) not in own]
+    return ForeignReads([v.path for v in variables if getattr(v, "trainable", False) and id(v) not in own], True)
+
+
+def foreign_variable_reads(unit, variables) -> ForeignReads:
+    """Every variable among ``variables`` that ``unit`` does not own: JAX's offloaded call maps only the unit's own
+    variables to the step's traced values (another layer's would read a stale or purged value)."""
+    own = {id(v) for v in getattr(unit, "variables", [])}
+    return ForeignReads([v.path for v in variables if id(v) not in own], False)
+
+
+XLA_MESSAGE = (
+    "keras-lms cannot run under XLA on this back end: jit_compile=True ignores the explicit host placement that "
+    "offloading relies on, so activations would silently stay on the device. Compile the wrapped model with "
+    "jit_compile=False (jit_compile='auto' is resolved to False for wrapped models)."
+)
+
+
+def without_xla(jit_compile) -> bool:
+    """``resolve_jit_compile`` of a back end whose offload XLA would undo (TensorFlow, torch): always False."""
+    if jit_compile is True:
+        raise ValueError(XLA_MESSAGE)
+    if jit_compile not in ("auto", False):
+        raise ValueError(f"jit_compile must be False or 'auto' for a wrapped model; got {jit_compile!r}.")
+    return False
 
 
 class DeviceStatsUnavailable(RuntimeError):
@@ -124,9 +158,9 @@ class CallRecorder:
     The traced tensors are held until the trace ends, so their ``id`` (a call's ``keys``) is unique within it.
     """
 
-    def __init__(self, structure, facts: TensorFacts, keeps_foreign_readers: bool = False):
+    def __init__(self, structure, facts: TensorFacts, foreign_reads: Callable | None = None):
         self.structure, self.facts = structure, facts
-        self.keeps_foreign_readers = keeps_foreign_readers
+        self.foreign_reads = foreign_reads  # (unit, variables read) -> ForeignReads, or None: not recorded
         self.calls, self._held = [], []
 
     def clear(self) -> None:
@@ -140,10 +174,10 @@ class CallRecorder:
         def recording_call(*args, **kw):
             tensors = facts.tensors((args, kw))
             foreign = None
-            if self.keeps_foreign_readers:
+            if self.foreign_reads is not None:
                 with adapter.recording_variable_reads() as read:
                     outputs = original(*args, **kw)
-                foreign = [v.path for v in foreign_trainable_reads(unit, read)]
+                foreign = self.foreign_reads(unit, read)
             else:
                 outputs = original(*args, **kw)
             outs = facts.tensors(outputs)

@@ -54,6 +54,10 @@ def validate_host_device(host_device: str) -> str:
     return HOST
 
 
+def resolve_jit_compile(jit_compile) -> bool:
+    return jit_compile is True
+
+
 def executing_eagerly() -> bool:
     return True
 

@@ -54,10 +54,12 @@ def stateless_pure_call(layer, original: Callable, args: tuple, kwargs: dict):
 
     Returns:
         ``(fn, trainable, non_trainable, arrays, assign_back)``: ``fn(trainable, non_trainable, arrays)`` returns
-        ``(outputs, new_non_trainable)``; ``trainable``/``non_trainable`` are the variables' current values and
-        ``arrays`` the array leaves of ``(args, kwargs)`` (the rest — ``training``, ``None`` — stays fixed);
-        ``assign_back(new_non_trainable)`` writes the updated state into the enclosing stateless scope, as
-        ``Layer.stateless_call``'s caller would.
+        ``((outputs, losses), new_non_trainable)``; ``losses`` are what the call passed to ``add_loss`` (a
+        regulariser computed inside ``call``: an output of the pure function, so its gradient flows back);
+        ``trainable``/``non_trainable`` are the variables' current values and ``arrays`` the array leaves of
+        ``(args, kwargs)`` (the rest — ``training``, ``None`` — stays fixed); ``assign_back(new_non_trainable,
+        losses)`` writes the updated state into the enclosing stateless scope and adds the losses to the layer,
+        as ``Layer.stateless_call``'s caller would.
     """
     trainable_vars = list(layer.trainable_variables)
     non_trainable_vars = list(layer.non_trainable_variables)
@@ -70,13 +72,15 @@ def stateless_pure_call(layer, original: Callable, args: tuple, kwargs: dict):
             filled[i] = value
         call_args, call_kwargs = jax.tree.unflatten(treedef, filled)
         mapping = list(zip(trainable_vars, trainable)) + list(zip(non_trainable_vars, non_trainable))
-        with StatelessScope(state_mapping=mapping) as scope:
+        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             outputs = original(*call_args, **call_kwargs)
-        return outputs, [scope.get_current_value(v) for v in non_trainable_vars]
+        return (outputs, list(scope.losses)), [scope.get_current_value(v) for v in non_trainable_vars]
 
-    def assign_back(new_non_trainable):
+    def assign_back(new_non_trainable, losses=()):
         for variable, value in zip(non_trainable_vars, new_non_trainable):
             variable.assign(value)
+        for loss in losses:
+            layer.add_loss(loss)
 
     # the step's traced values (the enclosing stateless scope's), in their storage dtype: no autocast
     return (fn, adapter.raw_values(trainable_vars), adapter.raw_values(non_trainable_vars),
@@ -139,7 +143,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):
-        if lean is not None:
+        if lean is not None:  # (layers whose call adds no loss: their pullback takes the outputs' cotangent)
             outputs, new_non_trainable = fn(trainable, non_trainable, arrays)
             pullback = lean(trainable, arrays)
         else:
@@ -177,7 +181,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         for i in layout["offloaded"]:
             residuals[i] = jax.device_put(kept[i], jax.memory.Space.Device)
         pullback = jax.tree.unflatten(layout["treedef"], residuals)
-        trainable_grads, array_grads = pullback(output_cotangent)
+        trainable_grads, array_grads = pullback(output_cotangent[0] if lean is not None else output_cotangent)
         # The input gradient (what the previous layer's backward waits for) is released only with the weight
         # gradients: XLA cannot run the input-gradient chain ahead and leave each weight gradient, with its
         # residual copied back and its cotangent, waiting until the optimizer update.
@@ -186,8 +190,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         return trainable_grads, jax.tree.map(_zero_cotangent, non_trainable), array_grads
 
     call.defvjp(forward, backward)
-    outputs, new_non_trainable = call(trainable, non_trainable, arrays)
-    assign_back(new_non_trainable)
+    (outputs, losses), new_non_trainable = call(trainable, non_trainable, arrays)
+    assign_back(new_non_trainable, losses)
     return outputs
 
 
@@ -213,8 +217,9 @@ def checkpoint_offload_call(layer, original: Callable, *args: Any, min_bytes: in
                   for a in arrays]
         return fn(trainable, non_trainable, arrays)
 
-    outputs, new_non_trainable = jax.checkpoint(named, policy=offload_policy())(trainable, non_trainable, arrays)
-    assign_back(new_non_trainable)
+    (outputs, losses), new_non_trainable = jax.checkpoint(named, policy=offload_policy())(
+        trainable, non_trainable, arrays)
+    assign_back(new_non_trainable, losses)
     return outputs
 
 

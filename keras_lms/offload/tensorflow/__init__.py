@@ -29,6 +29,7 @@ planning trace), ``devices`` (host device, allocator statistics) and ``step_memo
 
 
 from keras_lms.offload.common import offloadable_reason
+from keras_lms.offload.common import without_xla as resolve_jit_compile
 from keras_lms.offload.tensorflow.devices import (
     default_device,
     device_peak_bytes,
@@ -47,5 +48,5 @@ from keras_lms.offload.tensorflow.tracing import example_inputs, signature_of, s
 
 __all__ = ["StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
            "fused_activation_grad", "input_gradient_from_output", "memory_facts", "offloadable_reason",
-           "reads_own_output", "reset_device_peak", "signature_of", "spec_for", "trace_calls",
+           "reads_own_output", "reset_device_peak", "resolve_jit_compile", "signature_of", "spec_for", "trace_calls",
            "validate_host_device"]

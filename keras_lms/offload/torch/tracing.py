@@ -50,7 +50,7 @@ def trace_calls(model, structure, inputs, kwargs) -> list:
     Only shapes are recorded; nothing is computed on the device and no state changes (Keras' symbolic call
     runs under a StatelessScope); losses added during the trace are cleared.
     """
-    recorder = common.CallRecorder(structure, TENSOR_FACTS, keeps_foreign_readers=True)
+    recorder = common.CallRecorder(structure, TENSOR_FACTS, foreign_reads=common.foreign_trainable_reads)
     spec_inputs, spec_kwargs = keras.tree.map_structure(_spec, (inputs, kwargs))
 
     def forward(x, kw):

@@ -1,7 +1,8 @@
 """The host-residual offload in the program XLA compiles for an H100 (deviceless compile; needs the jax CUDA plugin,
 ``pip install "jax[cuda12]"``, and no GPU): one training step of a small U-Net (forward, MSE loss, gradients, Adam)
 needs at most half the plain step's device temporaries, its HLO copies residuals to host memory ``S(5)`` and back,
-and its host temporaries are the bytes it meant to offload (within 25%). The negative control: the naive per-layer
+and its host temporaries are the bytes it meant to offload (within 25%), also when the model is ``keras_lms.wrap``ped
+(the plan's host bytes, within 10%). The negative control: the naive per-layer
 ``jax.checkpoint`` offload fails the same check (XLA schedules each copy to host late). Figures for the
 docs/benchmarks.md U-Nets: ``python benchmarks/jax_compiled_memory.py`` (docs/jax_findings.md)."""
 
@@ -16,7 +17,9 @@ jax = pytest.importorskip("jax")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import keras_lms  # noqa: E402
 from benchmarks.models import unet  # noqa: E402
+from keras_lms import planning  # noqa: E402
 from keras_lms.offload.jax import deviceless, host_residuals  # noqa: E402
 
 pytestmark = [pytest.mark.jax, pytest.mark.jax_gpu_compile]
@@ -37,6 +40,10 @@ def h100():
 def _compile(variant: str):
     keras.utils.set_random_seed(0)
     model = unet((64, 64, 64, 1), 8, levels=2)
+    if variant == "wrap":
+        # keep_last=0: the default keeps the last call's input on the device (its backward comes first, so a copy
+        # would gain no memory and expose the copy back); here every call is measured offloaded.
+        model = keras_lms.wrap(model, min_bytes="256KiB", keep_last=0)
     model.compile(optimizer="adam", loss="mse")
     x = np.zeros((1, 64, 64, 64, 1), "float32")
     y = np.zeros((1, 64, 64, 64, 1), "float32")
@@ -51,7 +58,8 @@ def _compile(variant: str):
         naive = [layer for layer in layers if not isinstance(layer, keras.layers.Concatenate)]
         with host_residuals.checkpoint_offloading(naive):
             return deviceless.compile_keras_step(model, x, y), None
-    return deviceless.compile_keras_step(model, x, y), 0
+    info = deviceless.compile_keras_step(model, x, y)
+    return info, (planning.host_bytes_per_step(model.lms_plan) if variant == "wrap" else 0)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +86,15 @@ def test_host_residuals_halve_device_temp_with_copies_to_host(plain):
     assert offloaded > 0
     assert _offload_problems(info, plain, offloaded) == []
     assert info.argument_bytes == plain.argument_bytes
+
+
+def test_wrap_offloads_in_the_compiled_program_as_planned(plain):
+    """The product's one line: ``keras_lms.wrap(model)`` under Keras' JAX trainer builds the same offload, and the
+    compiled program's host memory is the plan's host bytes (within 25%; measured 146.5 vs 145.3 MiB)."""
+    info, planned = _compile("wrap")
+    assert planned > 0
+    assert _offload_problems(info, plain, planned) == []
+    assert abs(info.host_temp_bytes - planned) <= 0.10 * planned
 
 
 def test_negative_control_the_naive_per_layer_checkpoint_offload_fails(plain):

@@ -1,5 +1,5 @@
-"""Under KERAS_BACKEND=jax, what is not there yet says so in one line (issue 27): ``wrap()`` names the back ends
-it supports, and ``keras_lms.horovod`` (TensorFlow only, by design: docs/horovod.md) names the one it needs."""
+"""Under KERAS_BACKEND=jax, ``keras_lms.horovod`` (TensorFlow only, by design: docs/horovod.md) says in one line
+which back end it needs (data parallelism on JAX: ``keras.distribution.DataParallel``, test_data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-import keras
 
-import keras_lms
 
 pytestmark = pytest.mark.jax
 
@@ -25,9 +23,3 @@ def test_horovod_says_it_needs_tensorflow_in_one_line(monkeypatch):
     message = str(error.value)
     assert "\n" not in message
     assert "only the TensorFlow backend" in message and "'jax'" in message
-
-
-def test_wrap_names_the_supported_back_ends():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    with pytest.raises(NotImplementedError, match=r"TensorFlow and torch backends; KERAS_BACKEND is 'jax'"):
-        keras_lms.wrap(model)

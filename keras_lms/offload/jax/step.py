@@ -1,0 +1,51 @@
+"""The JAX step context: decides each intercepted call and runs the offloaded ones with host residuals.
+
+Keras' JAX trainer differentiates ``compute_loss_and_updates`` with ``jax.value_and_grad`` inside ``jax.jit``:
+the wrapped model's forward pass is traced once per input signature, and what that trace builds is what XLA
+compiles. An offloaded call becomes a ``jax.custom_vjp`` whose forward rule moves the call's large backward
+residuals (a convolution's input, a BatchNorm's normalised input...) to host memory, ordered by optimisation
+barriers so that XLA's scheduler can neither copy late nor bring back early (`host_residuals`,
+``docs/jax_findings.md``); a call the plan keeps on the device runs as Keras runs it.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_lms.offload import common
+from keras_lms.offload.jax.devices import validate_host_device
+from keras_lms.offload.jax.host_residuals import host_residual_call
+from keras_lms.offload.jax.tracing import TENSOR_FACTS
+from keras_lms.planning.plan import tensor_bytes
+
+
+class StepContext(common.InterceptingContext):
+    """State of one traced training forward pass of a wrapped model (JAX).
+
+    ``host_residuals`` lists ``(layer name, bytes)`` of every residual this step's trace sent to host memory:
+    what the compiled program holds in host memory per step (``memory_analysis().host_temp_size_in_bytes``).
+    """
+
+    def __init__(self, config, structure, plan, eager: bool = False):
+        super().__init__(config, structure, plan, eager, host=validate_host_device(config.host_device))
+        self.host_residuals: list = []
+        self.offloaded_calls = 0
+        self.plain_calls = 0
+
+    @staticmethod
+    def tensor_bytes(tensor) -> int:
+        return tensor_bytes(tuple(tensor.shape), keras.backend.standardize_dtype(tensor.dtype))
+
+    tensor_rank = staticmethod(TENSOR_FACTS.rank)
+
+    def call(self, index, unit, original, args, kwargs):
+        tensors = TENSOR_FACTS.tensors((args, kwargs))
+        decision = self._decision(index, unit, tensors)
+        if not decision.offloaded or not isinstance(unit, keras.layers.Layer):
+            self.plain_calls += 1
+            return original(*args, **kwargs)
+        self.offloaded_calls += 1
+        # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
+        # same threshold (the layer's weights always stay).
+        return host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes,
+                                  record=self.host_residuals, **kwargs)
