@@ -17,7 +17,7 @@ $(VENV)/bin/python:
 # Re-run only when the package metadata changes.
 # torch==2.13.0 resolves to the CPU wheel on local disk (never a CUDA build in CI).
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e ".[tensorflow-cpu,dev,plot,examples]"
+	$(PIP) install -q -e ".[tensorflow-cpu,jax,dev,plot,examples]"
 	$(PIP) install -q torch==2.13.0
 	touch $@
 
@@ -28,11 +28,14 @@ $(HVD_STAMP): scripts/install_horovod.sh $(STAMP)
 
 horovod: $(HVD_STAMP)
 
-# One suite, run once per Keras backend: unmarked tests run under both, tests marked `tensorflow` (Horovod, graph
-# inspection) or `torch` (tests/offload/torch/) only under theirs and are skipped, with the reason, under the other.
+# One suite, run once per Keras backend: unmarked tests run under all three, tests marked `tensorflow` (Horovod,
+# graph inspection), `torch` (tests/offload/torch/) or `jax` (tests/offload/jax/) only under theirs and are skipped,
+# with the reason, under the others. The JAX run is on the CPU (JAX_PLATFORMS=cpu: no CUDA plugin is looked for);
+# its tests of the compiled GPU program skip here and run in `make test-jax-compile`.
 test: install
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
 	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests
+	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(PY) -m pytest -q -ra tests
 
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)

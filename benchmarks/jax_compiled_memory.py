@@ -21,6 +21,9 @@ Variants (each layer's call but the input and Concatenate is intercepted; ``docs
 - ``whole``: one ``jax.checkpoint`` with the offload policy around the whole forward, each layer's output named.
 - ``host_residuals``: `host_residuals.host_residual_call` (custom_vjp, pullback residuals on host, ordered by
   optimisation barriers).
+- ``wrap``: the product's one line, ``keras_lms.wrap(model, min_bytes=..., keep_last=0)`` under Keras' JAX
+  trainer (the same mechanism, as the plan decides it); its row also gives the plan's host bytes and the peaks
+  ``keras_lms.report`` predicts (plain and wrapped), set beside the compiled program's device temp + arguments.
 - ``host_residuals-<part>[-<part>]``: an ablation, without the ``forward``/``backward``/``gradients`` barrier,
   the ``lean`` transposed-convolution backward or the recomputed ``constants``.
 - ``<variant>+lhs``: the same compiled with XLA's latency-hiding scheduler and a 16 GiB memory limit.
@@ -45,7 +48,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+import keras_lms
 from benchmarks.models import unet
+from keras_lms import planning
 from keras_lms._keras_adapter.calls import patched_calls  # the whole-forward variant
 from keras_lms.offload.jax import deviceless, host_residuals
 
@@ -64,13 +69,16 @@ MODELS = {
 VARIANTS = ("plain", "naive", "whole", "host_residuals")
 
 
-def prepared(build, batch):
-    """A compiled (Adam, MSE) model with its optimizer and metrics built, and its batch's (x, y) shapes."""
+def prepared(build, batch, wrap_min_bytes=None):
+    """A compiled (Adam, MSE) model with its optimizer and metrics built, and its batch's (x, y) shapes
+    (``wrap_min_bytes``: the model ``keras_lms.wrap``ped with that threshold and ``keep_last=0``)."""
     keras.utils.set_random_seed(0)
     model = build()
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     x = np.zeros((batch, *model.input_shape[1:]), "float32")
     y = np.zeros((batch, *model.output_shape[1:]), "float32")
+    if wrap_min_bytes is not None:
+        model = keras_lms.wrap(model, min_bytes=wrap_min_bytes, keep_last=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     model._symbolic_build(data_batch=(x, y))
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
@@ -88,7 +96,7 @@ def intercepted_layers(model, with_concatenate=False):
 def variant_patches(model, variant, min_bytes, record):
     """Install the variant's stand-in calls for the duration of tracing."""
     layers = intercepted_layers(model, with_concatenate=variant.startswith("host_residuals"))
-    if variant == "plain":
+    if variant in ("plain", "wrap"):
         yield
     elif variant == "naive":
         with host_residuals.checkpoint_offloading(layers, min_bytes):
@@ -131,7 +139,7 @@ def measure(key, variant, min_bytes, console=None, extra_options=None, device_me
     """Compile one model's step under one variant; a dict of the figures (bytes)."""
     label, build, batch = MODELS[key]
     base, _, flags = variant.partition("+")
-    model, x, y = prepared(build, batch)
+    model, x, y = prepared(build, batch, wrap_min_bytes=min_bytes if base == "wrap" else None)
     record = []
     with variant_patches(model, base, min_bytes, record):
         info = deviceless.compile_keras_step(model, x, y, compiler_options={
@@ -142,6 +150,11 @@ def measure(key, variant, min_bytes, console=None, extra_options=None, device_me
            "host_temp": info.host_temp_bytes, "to_host": info.to_host_copies, "to_device": info.to_device_copies,
            "planned_host": sum(b for _, b in record),
            "seconds": info.compile_seconds}
+    if base == "wrap":
+        predicted = keras_lms.report(model, batch_size=batch).totals
+        row.update(planned_host=planning.host_bytes_per_step(model.lms_plan),
+                   report_plain=predicted["predicted_peak_bytes_plain"],
+                   report_wrapped=predicted["predicted_peak_bytes_wrapped"])
     if console is not None:
         console.log(f"{label} {variant}: temp {row['temp'] / MIB:.1f} MiB, host {row['host_temp'] / MIB:.1f} MiB,"
                     f" copies {row['to_host']}/{row['to_device']}, {row['seconds']:.1f} s")
@@ -189,6 +202,25 @@ def table(rows) -> Table:
     return out
 
 
+def report_table(rows) -> Table:
+    """keras_lms.report's predicted device peaks beside the compiled programs' device temp + arguments."""
+    out = Table(title="The report's predicted peak vs the compiled program (temp + arguments), MiB")
+    for column in ("model", "compiled plain", "report plain", "ratio", "compiled wrapped", "report wrapped",
+                   "ratio"):
+        out.add_column(column, justify="left" if column == "model" else "right")
+    plain = {r["model"]: r for r in rows if r["variant"] == "plain"}
+    for r in rows:
+        if r["variant"] != "wrap":
+            continue
+        compiled_wrapped = r["temp"] + r["args"]
+        p = plain.get(r["model"])
+        compiled_plain = p["temp"] + p["args"] if p else None
+        out.add_row(r["model"], f"{compiled_plain / MIB:,.1f}" if p else "-", f"{r['report_plain'] / MIB:,.1f}",
+                    f"{r['report_plain'] / compiled_plain:.2f}" if p else "-", f"{compiled_wrapped / MIB:,.1f}",
+                    f"{r['report_wrapped'] / MIB:,.1f}", f"{r['report_wrapped'] / compiled_wrapped:.2f}")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="2d256,3d48,3d96", help=f"comma-separated keys of {sorted(MODELS)}")
@@ -225,6 +257,8 @@ def main(argv=None) -> int:
     rows = [measure(key, variant, args.min_bytes, console, options, memory)
             for key in keys for variant in args.variants.split(",")]
     console.print(table(rows))
+    if any(r["variant"] == "wrap" for r in rows):
+        console.print(report_table(rows))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

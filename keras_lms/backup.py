@@ -176,11 +176,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._skipper = adapter.skipping_train_function(model, backup.steps, on_done=self._at_backup_point)
             model.train_function = self._skipper
             return
-        if backup.steps:  # outside fit() (no train function to wrap), or on a back end other than TF and torch
+        if backup.steps:  # outside fit() (no train function to wrap), or on a back end keras-lms cannot skip on
             warnings.warn(
                 f"BackupAndRestore: the interrupted epoch {backup.epoch} restarts from its first batch (as in Keras), "
-                f"so the resumed run is not exact: passing over trained batches needs fit() on TensorFlow or torch "
-                f"(here: {keras.backend.backend()}).",
+                "so the resumed run is not exact: passing over trained batches needs fit() on TensorFlow, torch or "
+                f"JAX (here: {keras.backend.backend()}).",
                 stacklevel=2,
             )
         self._at_backup_point()

@@ -30,10 +30,13 @@ class MemoryHighWaterMark(keras.callbacks.Callback):
     RSS high-water mark over the same span (Linux; the current RSS elsewhere). `offloaded_mib` is the host
     memory the wrapped model's plan holds per step (`0` for an unwrapped model). The device peak is `nan`
     when the back end keeps no allocator statistics (TensorFlow on CPU unless `TF_CPU_ALLOCATOR_USE_BFC=true`
-    is set before TensorFlow is imported; torch without CUDA); a warning says so once.
+    is set before TensorFlow is imported; torch without CUDA; JAX on CPU); a warning says so once. On JAX, XLA's
+    allocator cannot restart its peak: `peak_device_mib` is the process's peak so far (`memory_stats()`'s
+    `peak_bytes_in_use`), which never falls from one epoch to the next.
 
     Args:
-        device: the device whose allocator peak is read, e.g. `"GPU:0"` (TensorFlow) or `"cuda:0"` (torch).
+        device: the device whose allocator peak is read, e.g. `"GPU:0"` (TensorFlow), `"cuda:0"` (torch) or
+            `"gpu:0"` (JAX).
             Defaults to the first GPU, else the CPU allocator.
         csv_path: also append one row per epoch (or per batch) to this CSV file: a str or path in an existing,
             writable directory (checked here and again when training begins). An existing non-empty file is

@@ -54,10 +54,11 @@ def test_application_matches_plain(name, dtype_policy):
 # same kernels run in the same order as on TensorFlow and torch. At these small inputs the last BatchNorms see
 # 1x1 or 2x2 maps at batch 2, where the input gradient is a cancellation proportional to eps/var, and that
 # amplifies the rounding: measured on the JAX CPU back end, ConvNeXtTiny, ResNet50, VGG16 and Xception match to
-# 1.2e-7 or exactly, EfficientNetB0 to 1.7e-5, MobileNetV3Small to 3e-4, MobileNetV2 to 2e-4 (2.2e-3 with its
-# BatchNorms left unwrapped, so not the BatchNorm offload), DenseNet121 in float64 to 2e-4. The loss, the
-# outputs and every BatchNorm statistic and seed state match (1e-6) in all of them, and a small float64
-# Conv/BatchNorm/ReLU6/DepthwiseConv model matches to 1e-12 (tests/offload/jax/test_wrap.py).
+# 1.2e-7 or exactly, EfficientNetB0 to 1.7e-5, MobileNetV3Small to 3.1e-4, MobileNetV2 to 2.2e-3 (as much with its
+# BatchNorms left unwrapped, so not the BatchNorm offload alone; 1.6e-5 in float64), DenseNet121 in float64 to
+# 2e-4. The loss, the
+# outputs and every BatchNorm statistic and seed state match to 2e-5 (XLA fuses the forward differently too),
+# and a small float64 Conv/BatchNorm/ReLU6/DepthwiseConv model matches to 1e-12 (tests/offload/jax/test_wrap.py).
 JAX_TOLERANCE = {"float32": 5e-3, "float64": 1e-3}
 
 
@@ -81,8 +82,8 @@ def _application_matches_plain(name, build, size, dtype, tol):
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1)
     start = time.perf_counter()
     result = assert_matches(model, wrapped, x, tol=tol)
-    if BACKEND == "jax":  # only the gradients carry XLA's reordering (JAX_TOLERANCE)
-        assert max(result["loss"], result["outputs"], *result["state"].values()) <= 1e-6, result
+    if BACKEND == "jax":  # the forward and the statistics are reordered less than the gradients (JAX_TOLERANCE)
+        assert max(result["loss"], result["outputs"], *result["state"].values()) <= 1e-4, result
     offloaded = sum(e.offloaded for e in wrapped.lms_plan)
     assert offloaded >= len(wrapped.lms_plan) // 2
     print(f"{name}: {len(wrapped.lms_plan)} calls, {offloaded} offloaded, max grad rel err "

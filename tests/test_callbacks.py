@@ -18,11 +18,16 @@ KEYS = ("peak_device_mib", "peak_host_rss_mib", "offloaded_mib")
 
 def _device_peak_readable():
     """TensorFlow's BFC CPU allocator keeps statistics (tests/conftest.py turns it on); torch has them only on
-    CUDA, and the device peak reads NaN without them (documented in MemoryHighWaterMark)."""
+    CUDA, JAX only where its device reports ``memory_stats()`` (not XLA's CPU client), and the device peak reads
+    NaN without them (documented in MemoryHighWaterMark)."""
     if keras.backend.backend() == "torch":
         import torch
 
         return torch.cuda.is_available()
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return bool(jax.devices()[0].memory_stats())
     return True
 
 

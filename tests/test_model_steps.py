@@ -46,10 +46,46 @@ def _apply(model, grads):
         model.optimizer.apply(grads, model.trainable_variables)
 
 
+def _jax_train_step(model, state, data, loss_of, update_metrics):
+    """A custom train_step as the Keras guide writes it for JAX: stateless, ``(state, data) -> (logs, state)``.
+
+    ``loss_of(y, y_pred, x)`` is the step's loss; ``update_metrics(metric, values, loss, y, y_pred)`` returns a
+    metric's new variable values.
+    """
+    import jax
+
+    trainable, non_trainable, optimizer_vars, metrics_vars = state
+    x, y = data
+
+    def compute(trainable, non_trainable):
+        y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        return loss_of(y, y_pred, x), (y_pred, non_trainable)
+
+    (loss, (y_pred, non_trainable)), grads = jax.value_and_grad(compute, has_aux=True)(trainable, non_trainable)
+    trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+    logs, new_metrics, start = {}, [], 0
+    for metric in model.metrics:
+        values = metrics_vars[start:start + len(metric.variables)]
+        start += len(metric.variables)
+        values = update_metrics(metric, values, loss, y, y_pred)
+        logs[metric.name] = metric.stateless_result(values)
+        new_metrics += list(values)
+    return logs, (trainable, non_trainable, optimizer_vars, new_metrics)
+
+
 class DoubleLossStep(keras.Model):
     """A custom train_step whose loss is twice the compiled loss."""
 
-    def train_step(self, data):
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            def update(metric, values, loss, y, y_pred):
+                if metric.name == "loss":
+                    return metric.stateless_update_state(values, loss)
+                return metric.stateless_update_state(values, y, y_pred)
+
+            return _jax_train_step(self, *args, lambda y, y_pred, x: 2.0 * self.compute_loss(x=x, y=y, y_pred=y_pred),
+                                   update)
+        (data,) = args
         x, y = data
         y_pred = None
 
@@ -83,14 +119,25 @@ class TrackerStep(keras.Model):
         super().__init__(*args, **kwargs)
         self.tracker = keras.metrics.Mean(name="my_loss")
 
-    def train_step(self, data):
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            return _jax_train_step(self, *args, lambda y, y_pred, x: keras.ops.mean((y_pred - y) ** 2) * 3.0,
+                                   lambda metric, values, loss, y, y_pred: metric.stateless_update_state(values, loss))
+        (data,) = args
         x, y = data
         loss, grads = _loss_and_gradients(self, lambda: keras.ops.mean((self(x, training=True) - y) ** 2) * 3.0)
         _apply(self, grads)
         self.tracker.update_state(loss)
         return {"my_loss": self.tracker.result()}
 
-    def test_step(self, data):
+    def test_step(self, *args):
+        if keras.backend.backend() == "jax":
+            state, (x, y) = args
+            trainable, non_trainable, metrics_vars = state
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x, training=False)
+            values = self.tracker.stateless_update_state(metrics_vars, keras.ops.mean((y_pred - y) ** 2) * 3.0)
+            return {"my_loss": self.tracker.stateless_result(values)}, (trainable, non_trainable, values)
+        (data,) = args
         x, y = data
         loss = keras.ops.mean((self(x, training=False) - y) ** 2) * 3.0
         self.tracker.update_state(loss)

@@ -7,8 +7,11 @@ Keras internals relied on (Keras 3.15), and why:
   way a callback can move the first epoch of a `fit` that is already running;
 * what `fit` passes to `model.train_function` (made before `on_train_begin`, called once per batch, or per
   `steps_per_execution` batches): on TensorFlow the epoch's data iterator, which the function advances itself; on
-  torch the batch, already read. A resumed epoch must read the batches that were trained before the backup without
-  training on them, so that the next batch is the one the interrupted run would have trained next;
+  torch the batch, already read; on JAX `(state, iterator)`, where `state` is the tuple of trainable,
+  non-trainable, optimizer and metrics variable values the loop holds (the variables themselves are purged while
+  it runs) and the function returns `(logs, state)`. A resumed epoch must read the batches that were trained
+  before the backup without training on them, so that the next batch is the one the interrupted run would have
+  trained next;
 * `Trainer._symbolic_build(data_batch=...)`: builds the compiled metrics from one batch, as `fit` does on torch
   and JAX; TensorFlow builds them only when it traces the first step, after the skipped batches;
 * the global `SeedGenerator` of `keras.random` calls without a seed (the global-state attribute
@@ -23,7 +26,7 @@ import keras
 
 from keras_lms._keras_support import SUPPORTED_KERAS
 
-SKIPPING_BACKENDS = ("tensorflow", "torch")
+SKIPPING_BACKENDS = ("tensorflow", "torch", "jax")
 
 
 def _gone(function: str, what: str) -> RuntimeError:
@@ -73,6 +76,8 @@ def skipping_train_function(model, steps: int, on_done=None):
     tensorflow = keras.backend.backend() == "tensorflow"
     remaining = [int(steps)]
     first = [True]
+    if keras.backend.backend() == "jax":
+        return _skipping_jax_train_function(model, original, remaining, on_done)
 
     def train_function(data):
         if remaining[0] <= 0:
@@ -89,6 +94,49 @@ def skipping_train_function(model, steps: int, on_done=None):
             return model.get_metrics_result()
         except ValueError:  # metrics a custom train_step builds itself: not built until it runs
             return {}
+
+    train_function.original = original
+    train_function.done = lambda: remaining[0] <= 0
+    return train_function
+
+
+def _skipping_jax_train_function(model, original, remaining, on_done):
+    """`skipping_train_function` for Keras' JAX trainer: ``(state, iterator) -> (logs, state)``.
+
+    A skipped call reads its batches from the iterator and hands the loop's state back unchanged. Its logs are the
+    metrics' results computed from that state (the metric variables are purged while the loop runs). After the
+    last skipped batch, `on_done()` assigns the interrupted epoch's metric values to the metric variables, and
+    the state handed back carries them: the loop keeps training from its own state, not from the variables.
+    Relies on `Variable._value` being None for a variable the JAX loop purged.
+    """
+
+    def metric_logs(metrics_values):
+        logs, start = {}, 0
+        for metric in model.metrics:
+            count = len(metric.variables)
+            result = metric.stateless_result(metrics_values[start:start + count])
+            start += count
+            if isinstance(result, dict):
+                logs.update(result)
+            else:
+                logs[metric.name] = result
+        return logs
+
+    def train_function(state, iterator):
+        if remaining[0] <= 0:
+            return original(state, iterator)
+        per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        for _ in range(min(per_call, remaining[0])):
+            next(iterator)
+        remaining[0] -= per_call
+        if remaining[0] <= 0 and on_done is not None:
+            on_done()
+            # what on_done assigned (a purged variable's `_value` is None: the loop's own value stays)
+            trainable, non_trainable, optimizer, metrics = state
+            state = (trainable, non_trainable, optimizer,
+                     [old if getattr(v, "_value", None) is None else v.value
+                      for v, old in zip(model.metrics_variables, metrics)])
+        return metric_logs(state[3]), state
 
     train_function.original = original
     train_function.done = lambda: remaining[0] <= 0

@@ -98,7 +98,7 @@ def test_a_step_context_without_forward_scope_fails():
 
 def test_another_keras_backend_is_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
-    with pytest.raises(NotImplementedError, match="KERAS_BACKEND is 'numpy'. Set KERAS_BACKEND=tensorflow, torch or jax"):
+    with pytest.raises(NotImplementedError, match="KERAS_BACKEND is 'numpy'. Set KERAS_BACKEND=tensorflow, torch"):
         offload.active_backend()
     assert memory.default_device() == "cpu" and memory.device_peak_bytes("cpu") is None  # no reading there
 

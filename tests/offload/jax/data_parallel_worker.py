@@ -12,11 +12,11 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import keras
+import numpy as np
 
-import keras_lms  # noqa: E402
+import keras_lms
 
 GLOBAL_BATCH, STEPS = 8, 3
 
