@@ -94,3 +94,29 @@ def test_a_loss_added_inside_call_is_differentiated():
     result = assert_matches(model, wrapped, np.random.default_rng(0).random((4, 6)).astype("float32"))
     assert result["n_grads"] == 3  # the penalised kernel, the dense kernel and bias
     assert wrapped.lms_plan[0].offloaded
+
+
+def _residual_model(activation: bool):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3), dtype="float64")
+    x = L.Conv2D(8, 3, padding="same", dtype="float64")(inputs)
+    y = L.BatchNormalization(dtype="float64")(L.Conv2D(8, 1, dtype="float64")(x))
+    if activation:
+        y = L.ReLU(dtype="float64")(y)
+    x = L.Conv2D(8, 3, padding="same", dtype="float64")(L.Add(dtype="float64")([x, y]))
+    return keras.Model(inputs, L.Dense(5, dtype="float64")(L.GlobalAveragePooling2D(dtype="float64")(x)))
+
+
+@pytest.mark.parametrize("activation,tol", [(True, 1e-12), (False, 1e-6)], ids=["relu_after_bn", "linear_path"])
+def test_a_batchnorm_on_a_linear_path_amplifies_reordering(activation, tol):
+    """Where the zoo's tolerance comes from (tests/test_applications.py, ``JAX_TOLERANCE``): in float64 a
+    BatchNorm followed by a ReLU is exact to rounding; on a linear path to the global pooling its input gradient
+    is a cancellation, and XLA's other summation order shows (measured 7.3e-8)."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        model = _residual_model(activation)
+        wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
+        assert_matches(model, wrapped, np.random.default_rng(0).random((2, 16, 16, 3)), tol=tol)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
