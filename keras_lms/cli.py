@@ -113,6 +113,11 @@ def info_dict(quiet: bool = False) -> dict:
         out["devices"] = [d.name for d in tf.config.list_logical_devices()]
     except ImportError:
         out["tensorflow"] = None
+    if out["keras_backend"] == "jax":  # the devices the wrapped model runs on (TensorFlow's are only its data's)
+        import jax
+
+        out["jax"] = jax.__version__
+        out["jax_devices"] = [f"{d.platform}:{d.id}" for d in jax.devices()]
     try:
         import horovod
 
