@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.keras-lms-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install test test-fast test-horovod test-jax-compile lint docs bench demo horovod clean-venv
+.PHONY: install test test-torch test-jax test-fast test-horovod test-jax-compile jax-compile-env lint docs bench demo horovod clean-venv
 
 install: $(STAMP) $(HVD_STAMP)
 
@@ -32,10 +32,17 @@ horovod: $(HVD_STAMP)
 # graph inspection), `torch` (tests/offload/torch/) or `jax` (tests/offload/jax/) only under theirs and are skipped,
 # with the reason, under the others. The JAX run is on the CPU (JAX_PLATFORMS=cpu: no CUDA plugin is looked for);
 # its tests of the compiled GPU program skip here and run in `make test-jax-compile`.
+# The torch and JAX runs share the machine (`-j2`; each run's output is printed whole when it ends: `-O`; no
+# shared .pytest_cache between them).
 test: install
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
-	KERAS_BACKEND=torch $(PY) -m pytest -q -ra tests
-	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(PY) -m pytest -q -ra tests
+	$(MAKE) --no-print-directory -j2 -O test-torch test-jax
+
+test-torch: install
+	KERAS_BACKEND=torch $(PY) -m pytest -q -ra -p no:cacheprovider tests
+
+test-jax: install
+	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(PY) -m pytest -q -ra -p no:cacheprovider tests
 
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)
@@ -53,6 +60,8 @@ $(JAX_STAMP): pyproject.toml
 	$(JAX_VENV)/bin/pip install -q --upgrade pip
 	$(JAX_VENV)/bin/pip install -q -e ".[dev,jax-gpu-compile]"
 	touch $@
+
+jax-compile-env: $(JAX_STAMP)
 
 test-jax-compile: $(JAX_STAMP)
 	KERAS_BACKEND=jax JAX_PLATFORMS=cpu KERAS_LMS_REQUIRE_GPU_COMPILE=1 $(JAX_VENV)/bin/python -m pytest -q -ra tests/offload/jax
