@@ -2,10 +2,10 @@
 
 `active_backend()` returns the offload package of the Keras back end in use (`keras_lms.offload.tensorflow`,
 `keras_lms.offload.torch` or `keras_lms.offload.jax`, symmetric as `keras/src/backend/<name>/` are), the way
-`keras/src/backend/__init__.py` picks Keras' own back end; the rest of keras-lms (`model`, `report`, `memory`) reaches the back end only through
-it, and planning (`keras_lms.planning`) gets it passed in: it imports no back end. What every back-end
-module provides is written down once, as the `typing.Protocol` `Backend` (and `StepContextLike` for the object a
-training forward pass runs under); `contract_problems(module)` checks a module against it
+`keras/src/backend/__init__.py` picks Keras' own back end; the rest of keras-lms (`model`, `report`, `memory`)
+reaches the back end only through it, and planning (`keras_lms.planning`) gets it passed in: it imports no back end.
+What every back-end module provides is written down once, as the `typing.Protocol` `Backend` (and `StepContextLike`
+for the object a training forward pass runs under); `contract_problems(module)` checks a module against it
 (`tests/offload/test_backend_contract.py`). The back ends import TensorFlow, torch or JAX, so they are imported only
 when asked for: importing `keras_lms` under another Keras back end works (wrapping a model then raises).
 """
