@@ -85,6 +85,16 @@ def _report(args) -> int:
     return 0
 
 
+def _installed_version(package: str):
+    """The installed version of ``package``, or None (read from its metadata: nothing is imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def info_dict(quiet: bool = False) -> dict:
     """Versions, Horovod build flags, devices and host RAM (what a bug report needs); ``quiet`` holds
     TensorFlow's start-up lines back when it is imported here (another Keras back end is active)."""
@@ -113,11 +123,11 @@ def info_dict(quiet: bool = False) -> dict:
         out["devices"] = [d.name for d in tf.config.list_logical_devices()]
     except ImportError:
         out["tensorflow"] = None
-    if out["keras_backend"] == "jax":  # the devices the wrapped model runs on (TensorFlow's are only its data's)
-        import jax
-
-        out["jax"] = jax.__version__
-        out["jax_devices"] = [f"{d.platform}:{d.id}" for d in jax.devices()]
+    out["jax"] = _installed_version("jax")
+    try:  # the devices of the active Keras back end (its distribution API; torch's Keras has none)
+        out["keras_devices"] = [str(d) for d in keras.distribution.list_devices()]
+    except (AttributeError, NotImplementedError, RuntimeError):
+        out["keras_devices"] = None
     try:
         import horovod
 

@@ -44,8 +44,8 @@ def test_cli_report_and_info(tmp_path):
     info = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, timeout=300, env=QUIET_ENV)
     data = json.loads(info.stdout)
     assert data["keras"] == keras.__version__ and data["host_ram_total_gib"] > 0
-    if keras.backend.backend() == "jax":
-        assert data["jax_devices"] and data["jax"]
+    assert data["keras_backend"] == keras.backend.backend()
+    assert data["keras_devices"] is None or len(data["keras_devices"]) >= 1  # (torch's Keras lists none)
     assert not _noise(info.stderr), info.stderr
     bad = subprocess.run(cmd + ["report", str(tmp_path / "missing.keras"), "--batch-size", "1"], capture_output=True,
                          text=True, timeout=300)
