@@ -151,6 +151,26 @@ class TensorFacts:
         return [leaf for leaf in self.flatten(structure) if self.is_tensor(leaf)]
 
 
+def spec_of(value, facts: TensorFacts):
+    """A KerasTensor standing in for ``value`` when it is one of the back end's tensors, else ``value``."""
+    if facts.is_tensor(value):
+        return keras.KerasTensor(tuple(facts.shape(value)), facts.dtype(value))
+    return value
+
+
+def signature_of(inputs, kwargs, facts: TensorFacts):
+    """Hashable key of a call's tensor (or KerasTensor) shapes and dtypes: one plan per input signature."""
+    out = []
+    for leaf in keras.tree.flatten((inputs, kwargs)):
+        if facts.is_tensor(leaf):
+            out.append((tuple(facts.shape(leaf)), facts.dtype(leaf)))
+        elif isinstance(leaf, keras.KerasTensor):
+            out.append((tuple(leaf.shape), keras.backend.standardize_dtype(leaf.dtype)))
+        else:
+            out.append(repr(leaf))
+    return tuple(out)
+
+
 class CallRecorder:
     """The planning trace's stand-in for every unit's ``call``: runs it and notes a ``RawCall`` (shapes).
 

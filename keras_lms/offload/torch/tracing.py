@@ -23,9 +23,7 @@ TENSOR_FACTS = common.TensorFacts(
 
 
 def _spec(value):
-    if isinstance(value, torch.Tensor):
-        return keras.KerasTensor(tuple(value.shape), _keras_dtype(value.dtype))
-    return value
+    return common.spec_of(value, TENSOR_FACTS)
 
 
 def spec_for(shape, dtype):
@@ -35,13 +33,7 @@ def spec_for(shape, dtype):
 
 def signature_of(inputs, kwargs):
     """Hashable key of a call's tensor shapes/dtypes: one plan per input signature."""
-    out = []
-    for leaf in keras.tree.flatten((inputs, kwargs)):
-        if isinstance(leaf, (torch.Tensor, keras.KerasTensor)):
-            out.append((tuple(leaf.shape), _keras_dtype(leaf.dtype)))
-        else:
-            out.append(repr(leaf))
-    return tuple(out)
+    return common.signature_of(inputs, kwargs, TENSOR_FACTS)
 
 
 def trace_calls(model, structure, inputs, kwargs) -> list:
