@@ -20,17 +20,10 @@ from keras_lms.planning.plan import tensor_bytes
 
 
 class StepContext(common.InterceptingContext):
-    """State of one traced training forward pass of a wrapped model (JAX).
-
-    ``host_residuals`` lists ``(layer name, bytes)`` of every residual this step's trace sent to host memory:
-    what the compiled program holds in host memory per step (``memory_analysis().host_temp_size_in_bytes``).
-    """
+    """State of one traced training forward pass of a wrapped model (JAX)."""
 
     def __init__(self, config, structure, plan, eager: bool = False):
         super().__init__(config, structure, plan, eager, host=validate_host_device(config.host_device))
-        self.host_residuals: list = []
-        self.offloaded_calls = 0
-        self.plain_calls = 0
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -42,10 +35,7 @@ class StepContext(common.InterceptingContext):
         tensors = TENSOR_FACTS.tensors((args, kwargs))
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded or not isinstance(unit, keras.layers.Layer):
-            self.plain_calls += 1
             return original(*args, **kwargs)
-        self.offloaded_calls += 1
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
-        return host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes,
-                                  record=self.host_residuals, **kwargs)
+        return host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, **kwargs)
