@@ -145,6 +145,39 @@ def slab_halo(unit, rank: int) -> int | None:
 
 
 
+UPSAMPLING_LAYERS = frozenset({"Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "UpSampling1D",
+                               "UpSampling2D", "UpSampling3D"})
+
+
+def upsampling_scale(unit, rank: int) -> int | None:
+    """Output rows per input row along the first spatial axis for a layer whose output rows ``[a, b)`` are
+    exactly the layer run on input rows ``[a // s, ceil(b / s))``, cropped: a Keras transposed convolution whose
+    kernel equals its stride along that axis (the kernel's copies tile the output, no overlap), ``"same"`` or
+    ``"valid"`` (equal then), no output padding, dilation 1, channels last, an element-wise activation; a Keras
+    nearest-neighbour ``UpSampling1D/2D/3D``. None for any other layer.
+
+    Why: a U-Net's up-sampled tensor is 4x (2D: 2x) the bytes of its input; recomputed from that input's host
+    copy, which its own backward reads anyway, it need not be copied at all (``planning.recompute``).
+    """
+    if rank < 3 or not is_keras_class(unit, UPSAMPLING_LAYERS):
+        return None
+    if getattr(unit, "data_format", "channels_last") != "channels_last":
+        return None
+    name = type(unit).__name__
+    if name.startswith("UpSampling"):
+        if getattr(unit, "interpolation", "nearest") != "nearest":
+            return None
+        size = unit.size if isinstance(unit.size, (tuple, list)) else (unit.size,)
+        return int(size[0]) if int(size[0]) >= 2 else None
+    if not runs_keras_kernel_call(unit) or not _elementwise_activation(unit.activation):
+        return None
+    kernel, stride = unit.kernel_size[0], unit.strides[0]
+    if (kernel != stride or stride < 2 or getattr(unit, "output_padding", None) is not None
+            or any(d != 1 for d in unit.dilation_rate) or unit.padding not in ("same", "valid")):
+        return None
+    return stride
+
+
 def slab_stride(unit) -> int:
     """How many input rows make one output row along the first spatial axis: the pool size of a Keras max
     pooling layer whose windows tile that axis (pool size == stride, ``"valid"``, channels last); else 1.

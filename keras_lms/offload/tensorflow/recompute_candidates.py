@@ -20,7 +20,7 @@ too, with ``chosen=False``, so that a read through them expands to the BatchNorm
 from __future__ import annotations
 
 from keras_lms.offload.tensorflow.slab_costs import read_parts
-from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
+from keras_lms.offload.tensorflow.slab_plan import AXIS, computes_in_slabs_forward
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
 from keras_lms.planning.plan import tensor_bytes
@@ -41,8 +41,19 @@ def recompute_sources(calls, offloaded, slabs: dict, chains: dict, parts: dict, 
         for producer in (b, r):  # BatchNorm's output, then the activation's: element-wise, halo 0
             sources[calls[producer].output_keys[0]] = _source(calls, producer, slabs[v].length, 0, batch_size,
                                                               chosen=False)
-    for p, plan in sorted(slabs.items()):
+    upsamplers = {p: scale for p, scale in ((p, _upsampling(calls[p])) for p in range(len(calls)))
+                  if scale is not None and p not in slabs}
+    for p in sorted(set(slabs) | set(upsamplers)):
         call = calls[p]
+        if p in upsamplers:
+            if _read_as_windows(calls, p, consumers, offloaded, slabs, elided, facts):
+                length = call.output_shapes[0][AXIS]
+                size = tensor_bytes(call.shapes[0], call.dtypes[0], batch_size)
+                sources[call.output_keys[0]] = RecomputeSource(
+                    call.output_keys[0], p, ((call.keys[0], size),), length, 0, *_per_row(call, length, batch_size),
+                    exact_rows=True, scale=upsamplers[p], resident=() if offloaded[p][0] else (call.keys[0],))
+            continue
+        plan = slabs[p]
         if (len(call.output_keys) != 1 or call.output_keys[0] in sources or plan.stride != 1
                 or (p in chains and chains[p][1] is None)):
             continue
@@ -58,6 +69,19 @@ def recompute_sources(calls, offloaded, slabs: dict, chains: dict, parts: dict, 
             call.output_keys[0], p, tuple((k, s) for k, s, _ in inputs), plan.length, plan.halo,
             *_per_row(call, plan.length, batch_size), exact_rows=plan.exact_rows)
     return sources
+
+
+def _upsampling(call) -> int | None:
+    """The scale of an up-sampling call of one input (``layer_facts.upsampling_scale``), with output rows
+    ``scale`` times its input's; None otherwise. Its input is copied by itself (its own backward reads the copy)
+    or kept on the device (its windows are sliced there)."""
+    if len(call.keys) != 1 or len(call.output_keys) != 1:
+        return None
+    shape, out_shape = call.shapes[0], call.output_shapes[0]
+    scale = layer_facts.upsampling_scale(call.unit, len(shape))
+    if scale is None or len(out_shape) != len(shape) or shape[AXIS] is None:
+        return None
+    return scale if out_shape[AXIS] == scale * shape[AXIS] else None
 
 
 def _source(calls, producer: int, length: int, halo: int, batch_size: int, chosen: bool) -> RecomputeSource:

@@ -16,6 +16,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from keras_lms import _keras_adapter as adapter
+from keras_lms.offload import common
 from keras_lms.offload.tensorflow import slabs
 from keras_lms.offload.tensorflow.devices import on_device
 
@@ -28,11 +30,16 @@ class RecomputedCopy:
 
     @property
     def length(self) -> int:
+        if self.producer.upsampling is not None:
+            return self.producer.upsampling[1]
         return self.producer.slabs.length
 
 
 def usable_producer(record) -> bool:
     """Whether a record's output can be recomputed in windows (what planning assumed; else it is copied)."""
+    if record is not None and record.slabs is None and record.upsampling is not None:
+        return (record.n_outputs == 1 and len(record.hosts) == 1
+                and (record.hosts[0] is not None or record.kept[0] is not None))
     plan = record.slabs if record is not None else None
     if plan is None or plan.stride != 1 or record.n_outputs != 1:
         return False
@@ -50,6 +57,8 @@ class RecomputedWindows:
     def _recomputed_window(self, copy: RecomputedCopy, a: int, b: int, gates, reader, kind: str):
         """Rows [a, b) of the producer's output, recomputed on ``reader``'s device from its inputs' windows."""
         producer = copy.producer
+        if producer.upsampling is not None and producer.slabs is None:
+            return self._upsampled_window(producer, a, b, gates, reader, kind)
         plan = producer.slabs
         lo, hi = max(0, a - plan.halo), min(plan.length, b + plan.halo)
         if producer.chain is not None:
@@ -72,6 +81,22 @@ class RecomputedWindows:
             outputs, _, _ = self._slab_call(producer, windows, producer.trainable, moments)
             y = tf.nest.flatten(outputs)[0]
             return y if plan.exact_rows or (lo, hi) == (a, b) else slabs.rows(y, a - lo, b - lo)
+
+    def _upsampled_window(self, producer, a: int, b: int, gates, reader, kind: str):
+        """Rows [a, b) of an up-sampler's output: the layer on its input's rows [a // s, ceil(b / s)), cropped."""
+        scale = producer.upsampling[0]
+        lo, hi = a // scale, -(-b // scale)
+        if producer.hosts[0] is not None:
+            window = self._host_window(producer.hosts[0], lo, hi, gates, reader, kind)
+        else:  # kept on the device by the plan: sliced there
+            with on_device(reader.compute_device), slabs.gated(gates):
+                window = slabs.rows(producer.kept[0], lo, hi)
+        with on_device(reader.compute_device):
+            call_args, call_kwargs = common.rebuild(producer.template, producer.positions, [window])
+            outputs, _, _ = adapter.run_stateless(producer.unit, producer.original, producer.trainable,
+                                                  producer.snapshot, call_args, call_kwargs, producer.autocast)
+            y = tf.nest.flatten(outputs)[0]
+            return y if (lo * scale, hi * scale) == (a, b) else slabs.rows(y, a - lo * scale, b - lo * scale)
 
     def _whole_recomputed(self, copy: RecomputedCopy, gates, reader):
         """The whole recomputed tensor (a reader that does not read windows)."""

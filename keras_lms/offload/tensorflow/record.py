@@ -58,3 +58,4 @@ class CallRecord:
     chain: tuple | None = None  # (BatchNorm record, activation record): the input is recomputed (slab_chains)
     fused_gradient: tf.Tensor | None = None  # an activation's input gradient, taken in its consumer's backward
     fused_moments: object = None  # a BatchNorm's first-pass totals (TotalMoments), taken in the chain's conv
+    upsampling: tuple | None = None  # (scale, output rows): an up-sampler whose windows can be recomputed

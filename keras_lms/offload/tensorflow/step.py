@@ -25,6 +25,7 @@ from keras_lms.offload.tensorflow.record import (
 )
 from keras_lms.offload.tensorflow.slab_calls import SlabCalls
 from keras_lms.offload.tensorflow.tracing import TENSOR_FACTS
+from keras_lms.planning import layer_facts
 from keras_lms.planning.plan import tensor_bytes
 
 
@@ -69,14 +70,16 @@ class StepContext(SlabCalls, common.InterceptingContext):
                 # A kept layer with weights holds its inputs on the device for its weight gradient anyway;
                 # its producer may read them there instead of recomputing (see _swapped_in_output).
                 self.device_held.update(t.ref() for t in tensors)
-            if self.eager or not output_gradients.reads_own_output(unit):
+            recomputed = not self.eager and index in self.recomputed_producers
+            if not recomputed and (self.eager or not output_gradients.reads_own_output(unit)):
                 outputs = original(*args, **kwargs)
                 self._note_outputs(unit, tensors, outputs)
                 return outputs
             # Kept inputs, but TensorFlow's own gradient would read this call's *output* on the device (a
             # fused relu/sigmoid/tanh/elu, a ReLU layer) and so keep it there even when the next layer offloads
             # it. Run it through the offload path with nothing offloaded: its backward then reads the
-            # output's host copy when a consumer made one (see _swapped_in_output).
+            # output's host copy when a consumer made one (see _swapped_in_output). Likewise an up-sampler whose
+            # output the plan recomputes from its kept input (recomputed_copies): its record is the recipe.
         return self._offloaded_call(index, unit, original, args, kwargs, tensors, decision)
 
     def _note_outputs(self, unit, tensors, outputs):
@@ -122,6 +125,16 @@ class StepContext(SlabCalls, common.InterceptingContext):
             return 0
         return tensor_bytes(shape, unit.compute_dtype)
 
+    @staticmethod
+    def _upsampling(unit, tensors, plan):
+        """(scale, output rows) of a whole-computed up-sampler whose output windows can be recomputed from its
+        input's (``recomputed_copies``); None for any other call."""
+        if plan is not None or len(tensors) != 1 or tensors[0].shape.rank is None:
+            return None
+        scale = layer_facts.upsampling_scale(unit, tensors[0].shape.rank)
+        rows = tensors[0].shape[slabs.AXIS]
+        return None if scale is None or rows is None else (scale, scale * rows)
+
     def swap_out(self, tensor):
         if self.eager:  # no cache: a ref-keyed cache would keep the device tensor alive until the step ends
             with tf.device(self.host):
@@ -163,7 +176,7 @@ class StepContext(SlabCalls, common.InterceptingContext):
             compute_device=next((t.device for t in tensors if t.device), None),
             kept_call=not decision.offloaded, autocast=adapter.current_autocast_dtype(),
             slabs=plan, concatenated=concatenated, sources=[t.ref() for t in tensors] if concatenated else [],
-            chain=chain,
+            chain=chain, upsampling=self._upsampling(unit, tensors, plan),
         )
         if chain is not None and chain[1] is not None:
             record.kept = [None]

@@ -104,3 +104,87 @@ def test_a_widening_first_convolution_is_recomputed_from_the_small_input(recompu
     control = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="32KiB", device_profile="h100-pcie5")
     entry = {e.layer: e for e in control.plan(batch_size=len(x))}[first]
     assert not entry.recomputed_output and "slabs" not in entry.reason, entry
+
+
+def upsampling_unet2d(size=32, filters=4):
+    """bn_unet2d with a nearest-neighbour UpSampling2D (then a 1x1 convolution) in place of the transposed one."""
+    layers = keras.layers
+
+    def block(x, f):
+        for _ in range(2):
+            x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(f, 3, padding="same", use_bias=False)(x)))
+        return x
+
+    inp = keras.Input((size, size, 1))
+    skip = block(inp, filters)
+    x = layers.Conv2D(filters, 1)(block(layers.MaxPooling2D()(skip), 2 * filters))
+    x = block(layers.Concatenate()([layers.UpSampling2D(name="upsample")(x), skip]), filters)
+    return keras.Model(inp, layers.Conv2D(1, 1, activation="sigmoid")(x))
+
+
+@pytest.fixture
+def upsampled_spy(monkeypatch):
+    """Counts the windows of an up-sampler's output recomputed from its input's host copy."""
+    seen = {"windows": 0}
+    original = recomputed_copies.RecomputedWindows._upsampled_window
+
+    def spy(self, *args, **kwargs):
+        seen["windows"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(recomputed_copies.RecomputedWindows, "_upsampled_window", spy)
+    return seen
+
+
+@pytest.mark.parametrize("build", [bn_unet2d, upsampling_unet2d], ids=["conv2d_transpose", "upsampling2d"])
+def test_an_upsampled_tensor_is_recomputed_from_its_input(build, upsampled_spy, monkeypatch):
+    """The up-sampler's output (4x its input's bytes) is not copied: the readers' windows run the layer on its
+    input's rows (``layer_facts.upsampling_scale``), and the step still matches the plain model. Control:
+    without the up-sampling rule the planner cannot recompute it and the mechanism never runs."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    x = images(size=32, channels=1, rng=np.random.default_rng(0))
+    upsampler = next(layer.name for layer in model.layers if "Transpose" in type(layer).__name__
+                     or "UpSampling" in type(layer).__name__)
+    entry = {e.layer: e for e in wrap(model).plan(batch_size=len(x))}[upsampler]
+    assert entry.recomputed_output, entry
+    result = compare_step(model, wrap(model), x)
+    assert upsampled_spy["windows"] > 0
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+    assert result["loss"] <= 1e-6
+
+    from keras_lms.planning import layer_facts
+
+    monkeypatch.setattr(layer_facts, "upsampling_scale", lambda unit, rank: None)
+    upsampled_spy["windows"] = 0
+    entry = {e.layer: e for e in wrap(model).plan(batch_size=len(x))}[upsampler]
+    assert not entry.recomputed_output, entry
+    compare_step(model, wrap(model), x)
+    assert upsampled_spy["windows"] == 0
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+def test_an_upsampled_tensor_recomputed_is_exact_in_float64(dtype_policy, upsampled_spy):
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    result = compare_step(model, wrap(model), np.random.default_rng(3).random((4, 32, 32, 1)))
+    assert upsampled_spy["windows"] > 0
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+
+
+def test_an_upsampled_tensor_is_recomputed_from_an_input_kept_on_the_device(upsampled_spy):
+    """``min_bytes`` keeps the transposed convolution's small input on the device (no host copy at all): its
+    output's windows are the layer run on rows sliced there, and the step still matches the plain model."""
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    x = images(size=32, channels=1, rng=np.random.default_rng(0))
+
+    def wrap_keeping_small():
+        return keras_lms.wrap(model, min_bytes="48KiB", keep_last=0, slab_bytes=SLAB, device_profile="h100-pcie5")
+
+    entry = next(e for e in wrap_keeping_small().plan(batch_size=len(x)) if "Transpose" in e.layer_class)
+    assert entry.tensor_offloaded == [False] and entry.recomputed_output, entry
+    result = compare_step(model, wrap_keeping_small(), x)
+    assert upsampled_spy["windows"] > 0
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+    assert result["loss"] <= 1e-6
