@@ -97,6 +97,11 @@ class BackendFacts:
             return 0 if lean else layer_facts.NORMALIZATION_TEMPORARIES
         return 0
 
+    def input_freed_before_input_gradient(self, call) -> bool:
+        """Whether the call's backward is done with its inputs before their gradients exist (a compiler that
+        computes a convolution's weight gradient first and frees the input), so the two never coexist."""
+        return False
+
     def saved_extra_bytes(self, unit, input_bytes: int, output_bytes: int) -> int:
         """Bytes the framework saves for the call's backward besides its inputs and outputs."""
         return 0

@@ -182,6 +182,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         if lean:
             grads += facts.lean_normalization_temporary_bytes(call.shapes[0], call.dtypes[0], batch_size)
         grads += facts.normalization_extra_bytes(call, sizes_in[i])
+        if facts.input_freed_before_input_gradient(call):
+            grads -= min(sum(sizes_in[i]), in_grads)  # the input's buffer is free before the gradient's
         if i in slabs:
             grads = facts.slab_backward_bytes(call, sizes_in[i], sizes_out[i], slabs[i])
         elif i in elided:

@@ -29,10 +29,26 @@ class JaxFacts(BackendFacts):
     recomputes_offloaded_calls = False
     plain_model_keeps_layer_outputs = False
 
+    def input_freed_before_input_gradient(self, call) -> bool:
+        return channels_last_native_convolution(call)
+
     def backward_temporaries(self, unit, recomputed: bool = False, lean: bool = False) -> int:
         if layer_facts.is_keras_class(unit, layer_facts.NORMALIZATION_LAYERS):
             return 0  # fused by XLA (module docstring)
         return super().backward_temporaries(unit, recomputed, lean)
+
+
+def channels_last_native_convolution(call) -> bool:
+    """A Keras 2D convolution, which XLA runs channels-last on an H100 (``b01f`` in the compiled HLO, no layout
+    transposes of its activations). XLA then computes the weight gradient first and frees the input before the
+    input gradient is allocated: the compiled 2D U-Net 8x256^2's peak, the first decoder convolution's backward,
+    holds the gradients of its output and input, not its input too. 3D convolutions run channels-first
+    (``bf012``, in float32 and in float16 alike), their activations transposed around them as grappler does on
+    TensorFlow, and hold all three."""
+    unit = call.unit
+    if not layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS) or not call.shapes:
+        return False
+    return getattr(unit, "data_format", "channels_last") == "channels_last" and len(call.shapes[0]) == 4
 
 
 FACTS = JaxFacts()
