@@ -13,9 +13,12 @@ plain,wrap``: the report's predicted peak set beside device temp + arguments, do
   predictions to 1.03-1.10x, but the wrapped plan's host bytes would then miss the ReLUs' copies (109 of 154 MB
   on the 64^3 U-Net of tests/offload/jax/test_compiled_offload.py).
 
-With these the report's wrapped peaks are 0.97-1.17x the compiled programs' device temp + arguments (the 2D
-U-Net 8x256^2 is the 1.17), its plain peaks 1.24-1.41x (XLA keeps less of a plain step than the generic facts
-say), and the plan's host bytes are the compiled program's host temporaries within 1%.
+* XLA runs 2D convolutions channels-last and frees a convolution's input before its input gradient is
+  allocated (``channels_last_native_convolution``); without that the 2D U-Net 8x256^2 was predicted at 1.17x.
+
+With these the report's wrapped peaks are 0.97-1.00x the compiled programs' device temp + arguments, its plain
+peaks 1.24-1.41x (XLA keeps less of a plain step than the generic facts say), and the plan's host bytes are the
+compiled program's host temporaries within 1%.
 """
 
 from __future__ import annotations
