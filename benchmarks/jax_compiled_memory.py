@@ -50,6 +50,7 @@ from rich.table import Table
 
 import keras_lms
 from benchmarks.models import unet
+from keras_lms import _keras_adapter as adapter
 from keras_lms import planning
 from keras_lms._keras_adapter.calls import patched_calls  # the whole-forward variant
 from keras_lms.offload.jax import deviceless, host_residuals
@@ -79,7 +80,7 @@ def prepared(build, batch, wrap_min_bytes=None):
     if wrap_min_bytes is not None:
         model = keras_lms.wrap(model, min_bytes=wrap_min_bytes, keep_last=0)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    model._symbolic_build(data_batch=(x, y))
+    adapter.build_compiled_metrics(model, (x, y))
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     return model, x, y

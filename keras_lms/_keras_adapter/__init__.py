@@ -81,6 +81,7 @@ from keras_lms._keras_adapter.stateless import (  # noqa: E402
 )
 from keras_lms._keras_adapter.torch_trees import acyclic_torch_trees  # noqa: E402
 from keras_lms._keras_adapter.training import (  # noqa: E402
+    build_compiled_metrics,
     can_skip_train_steps,
     global_seed_generator,
     initial_epoch,
@@ -95,6 +96,6 @@ __all__ = [  # the last line: re-exported from keras_lms._keras_support (public 
     "batchnorm_reduction_axes", "fused_activation", "valid_convolution", "optimizer_variable_key",
     "optimizer_trainable_variables",
     "rmsprop_momentums", "serialize_like", "initial_epoch", "set_initial_epoch", "can_skip_train_steps",
-    "skipping_train_function", "global_seed_generator",
+    "skipping_train_function", "global_seed_generator", "build_compiled_metrics",
     "SUPPORTED_KERAS", "check_keras_version", "is_quantized", "patched_attribute",
 ]

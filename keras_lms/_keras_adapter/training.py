@@ -143,6 +143,13 @@ def _skipping_jax_train_function(model, original, remaining, on_done):
     return train_function
 
 
+def build_compiled_metrics(model, batch) -> None:
+    """Build a compiled model's loss and metrics from one ``(x, y)`` batch, as ``fit`` does before its first step:
+    what a step compiled outside ``fit`` (the deviceless compile of ``keras_lms.offload.jax.deviceless``, its
+    tests and benchmarks) needs first."""
+    _build_metrics(model, batch)
+
+
 def _build_metrics(model, batch) -> None:
     """Build the compiled metrics and loss from one batch, as `fit` does before training on torch and JAX.
 

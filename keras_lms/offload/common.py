@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from typing import Callable
 
 import keras
@@ -108,6 +109,28 @@ def foreign_variable_reads(unit, variables) -> ForeignReads:
     variables to the step's traced values (another layer's would read a stale or purged value)."""
     own = {id(v) for v in getattr(unit, "variables", [])}
     return ForeignReads([v.path for v in variables if id(v) not in own], False)
+
+
+_HOST_RE = re.compile(r"^/?(?:device:)?(cpu)(?::(\d+))?$", re.IGNORECASE)
+
+
+def single_host_device(host_device: str, accelerators: str, absent: str) -> str:
+    """Resolve ``host_device`` to '/CPU:0' on a back end with one host (torch, JAX), or raise one clear error:
+    not a string, an accelerator (``accelerators``: a regex of its names) or another CPU (``absent`` says why
+    there is none)."""
+    if not isinstance(host_device, str):
+        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
+    match = _HOST_RE.match(host_device.strip())
+    if match is None:
+        if re.match(rf"^/?(?:device:)?({accelerators})", host_device.strip(), re.IGNORECASE):
+            raise ValueError(
+                f"host_device={host_device!r} is not a CPU device. keras-lms offloads activations to host memory; "
+                "use '/CPU:0'."
+            )
+        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
+    if int(match.group(2) or 0) != 0:
+        raise ValueError(f"host_device={host_device!r} does not exist {absent}; available: /CPU:0.")
+    return "/CPU:0"
 
 
 XLA_MESSAGE = (

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 
-from keras_lms.offload.common import DeviceStatsUnavailable
+from keras_lms.offload.common import DeviceStatsUnavailable, single_host_device
 
 
 def executing_eagerly() -> bool:
@@ -15,28 +13,11 @@ def executing_eagerly() -> bool:
     return False
 
 
-_HOST_RE = re.compile(r"^/?(?:device:)?(cpu)(?::(\d+))?$", re.IGNORECASE)
-
-
 def validate_host_device(host_device: str) -> str:
     """Resolve ``host_device`` to the host ('/CPU:0'): JAX places a host copy in the compute device's own host
     memory space (``jax.memory.Space.Host``, pinned host memory on a GPU), not on a device of its choosing."""
-    if not isinstance(host_device, str):
-        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
-    match = _HOST_RE.match(host_device.strip())
-    if match is None:
-        if re.match(r"^/?(?:device:)?(gpu|cuda|rocm|tpu|xla)", host_device.strip(), re.IGNORECASE):
-            raise ValueError(
-                f"host_device={host_device!r} is not a CPU device. keras-lms offloads activations to host memory; "
-                "use '/CPU:0'."
-            )
-        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
-    if int(match.group(2) or 0) != 0:
-        raise ValueError(
-            f"host_device={host_device!r} does not exist for JAX: a host copy lives in the compute device's own "
-            "host memory space; available: /CPU:0."
-        )
-    return "/CPU:0"
+    return single_host_device(host_device, "gpu|cuda|rocm|tpu|xla",
+                              "for JAX: a host copy lives in the compute device's own host memory space")
 
 
 # ------------------------------------------------------------------------------------------ memory readings

@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
+
+from keras_lms.offload.common import single_host_device
 
 
 def executing_eagerly() -> bool:
     return True
 
 
-_HOST_RE = re.compile(r"^/?(?:device:)?(cpu)(?::(\d+))?$", re.IGNORECASE)
-
-
 def validate_host_device(host_device: str) -> str:
     """Resolve ``host_device`` to the host ('/CPU:0'); torch has one CPU device."""
-    if not isinstance(host_device, str):
-        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
-    match = _HOST_RE.match(host_device.strip())
-    if match is None:
-        if re.match(r"^/?(?:device:)?(gpu|cuda|tpu|mps|xla)", host_device.strip(), re.IGNORECASE):
-            raise ValueError(
-                f"host_device={host_device!r} is not a CPU device. keras-lms offloads activations to host memory; "
-                "use '/CPU:0'."
-            )
-        raise ValueError(f"host_device={host_device!r} is not a device string; use e.g. '/CPU:0'.")
-    index = int(match.group(2) or 0)
-    if index != 0:
-        raise ValueError(f"host_device={host_device!r} does not exist on this machine; available: /CPU:0.")
-    return "/CPU:0"
+    return single_host_device(host_device, "gpu|cuda|tpu|mps|xla", "on this machine")
 
 
 # ------------------------------------------------------------------------------------------ memory readings

@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from keras_lms import _keras_adapter as adapter  # noqa: E402
 from keras_lms.offload.jax import host_residuals  # noqa: E402
 
 pytestmark = pytest.mark.jax
@@ -43,7 +44,7 @@ def _grads_and_state(offload: bool, without=()):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 16, 16, 3)).astype("float32")
     y = rng.uniform(size=(4, 16, 16, 1)).astype("float32")
-    model._symbolic_build(data_batch=(x, y))
+    adapter.build_compiled_metrics(model, (x, y))
     model.optimizer.build(model.trainable_variables)
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)
               and layer.name not in without]
