@@ -146,8 +146,11 @@ def _skipping_jax_train_function(model, original, remaining, on_done):
 def build_compiled_metrics(model, batch) -> None:
     """Build a compiled model's loss and metrics from one ``(x, y)`` batch, as ``fit`` does before its first step:
     what a step compiled outside ``fit`` (the deviceless compile of ``keras_lms.offload.jax.deviceless``, its
-    tests and benchmarks) needs first."""
-    _build_metrics(model, batch)
+    tests and benchmarks) needs first. (Unconditional: before the first build, ``model.metrics`` lists only
+    built trackers, so ``_build_metrics``' check would skip it.)"""
+    if not hasattr(model, "_symbolic_build"):
+        raise _gone("build_compiled_metrics", f"{type(model).__name__}._symbolic_build")
+    model._symbolic_build(data_batch=batch)
 
 
 def _build_metrics(model, batch) -> None:
