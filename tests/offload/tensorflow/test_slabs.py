@@ -69,8 +69,9 @@ def unet3d():
     return build_unet((16, 16, 16, 1), depth=2, base_filters=4, dropout=0.2)
 
 
-def bn_unet2d(size=32, filters=4):
-    """The simulated-peak benchmark's U-Net shape (Conv-BN-ReLU x2 per level, concatenated skips), 2D, small."""
+def bn_unet2d(size=32, filters=4, nearest=False):
+    """The simulated-peak benchmark's U-Net shape (Conv-BN-ReLU x2 per level, concatenated skips), 2D, small;
+    up-sampled by a transposed convolution, or (``nearest``) by a 1x1 convolution and a nearest UpSampling2D."""
     layers = keras.layers
 
     def block(x, f):
@@ -81,7 +82,10 @@ def bn_unet2d(size=32, filters=4):
     inp = keras.Input((size, size, 1))
     skip = block(inp, filters)
     x = block(layers.MaxPooling2D()(skip), 2 * filters)
-    x = layers.Conv2DTranspose(filters, 2, strides=2, padding="same")(x)
+    if nearest:
+        x = layers.UpSampling2D(name="upsample")(layers.Conv2D(filters, 1)(x))
+    else:
+        x = layers.Conv2DTranspose(filters, 2, strides=2, padding="same")(x)
     x = block(layers.Concatenate()([x, skip]), filters)
     return keras.Model(inp, layers.Conv2D(1, 1, activation="sigmoid")(x))
 
