@@ -63,8 +63,9 @@ $(JAX_STAMP): pyproject.toml
 
 jax-compile-env: $(JAX_STAMP)
 
+# Only the tests marked jax_gpu_compile: the rest of tests/offload/jax runs in `make test`'s JAX pass.
 test-jax-compile: $(JAX_STAMP)
-	KERAS_BACKEND=jax JAX_PLATFORMS=cpu KERAS_LMS_REQUIRE_GPU_COMPILE=1 $(JAX_VENV)/bin/python -m pytest -q -ra tests/offload/jax
+	KERAS_BACKEND=jax JAX_PLATFORMS=cpu KERAS_LMS_REQUIRE_GPU_COMPILE=1 $(JAX_VENV)/bin/python -m pytest -q -ra -m jax_gpu_compile tests/offload/jax
 
 # ruff, configured in pyproject.toml ([tool.ruff]).
 lint: $(STAMP)

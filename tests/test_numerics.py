@@ -135,7 +135,30 @@ def test_mixed_precision(mixed_precision):
     assert "float16" in dtypes  # activations go to host in their own dtype
 
 
-def _assert_float16_rounding_only(model, wrapped, x):
+@pytest.mark.jax(reason="issue 27: the zoo under both mixed policies on the JAX back end (XLA's reordering)")
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zoo_under_mixed_precision(name, policy):
+    """Every oracle model (tests/models.py) under ``policy``, every tensor offloaded: loss, outputs and state
+    match plain to 1e-3 (bfloat16, 8 bits of mantissa: 1e-2), and each gradient is no farther from the float32
+    step on the same weights than plain's, up to that rounding (``_assert_float16_rounding_only``)."""
+    build, data = CASES[name]
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = build()
+        wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
+        if policy == "mixed_float16":
+            _assert_float16_rounding_only(model, wrapped, data(), build=build)
+        else:  # bfloat16 (8 bits of mantissa): the plain step's gradients differ from float32's by up to 4%
+            # (deep_supervision), the wrapped step's (which rounds each layer's output to bfloat16 at the
+            # custom_vjp boundary) by up to 3x that; a wrong gradient differs by tens of percent
+            _assert_float16_rounding_only(model, wrapped, data(), build=build, tol=2e-2, factor=3.0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def _assert_float16_rounding_only(model, wrapped, x, build=models.unet2d, tol=1e-3, factor=1.5):
     """JAX: XLA sums a float16 bias gradient (thousands of float16 terms) in another order once the optimisation
     barriers change its fusions (the lean transposed convolution sums in another order too): wrapped and plain
     differ by up to ~3e-3 on biases, as much as either differs from the float32 step. So the oracle for the
@@ -143,8 +166,8 @@ def _assert_float16_rounding_only(model, wrapped, x):
     + 1e-3); loss, outputs and state still match plain to 1e-3."""
     result = compare_step(model, wrapped, x)
     for key in ("loss", "outputs"):
-        assert result[key] <= 1e-3, (key, result[key])
-    assert max(result["state"].values()) <= 1e-3
+        assert result[key] <= tol, (key, result[key])
+    assert max(result["state"].values(), default=0.0) <= tol
     y = targets_for(model, x)
     start = snapshot(model)
     grads = {}
@@ -152,13 +175,15 @@ def _assert_float16_rounding_only(model, wrapped, x):
         grads[name] = train_step(candidate, x, y)[1]
         restore(model, start)
     keras.mixed_precision.set_dtype_policy("float32")
-    reference = models.unet2d()
+    reference = build()
+    if len(reference.variables) != len(model.variables):  # a subclassed model makes its variables when called
+        reference(x)
     restore(reference, start)
     grads["float32"] = train_step(reference, x, y)[1]
     for path, g32, gp, gw in zip([v.path for v in model.trainable_variables], *(grads[k] for k in
                                                                                   ("float32", "plain", "wrapped"))):
         plain_error, wrapped_error = relative_error(g32, gp), relative_error(g32, gw)
-        assert wrapped_error <= 1.5 * plain_error + 1e-3, (path, wrapped_error, plain_error)
+        assert wrapped_error <= factor * plain_error + tol, (path, wrapped_error, plain_error)
 
 
 # ----------------------------------------------------------------- how each backend makes the host copies
