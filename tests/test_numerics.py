@@ -158,6 +158,27 @@ def test_zoo_under_mixed_precision(name, policy):
         keras.mixed_precision.set_dtype_policy("float32")
 
 
+@pytest.mark.jax(reason="the control of test_zoo_under_mixed_precision")
+def test_control_the_mixed_precision_oracle_fails_on_wrong_gradients():
+    """The bound is not vacuous: a step whose gradients are another model's (same architecture, other weights,
+    so its loss differs too) fails it under bfloat16's loose bound."""
+    def build():
+        inp = keras.Input((6,))
+        return keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inp)))
+
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = build()
+        keras.utils.set_random_seed(1)
+        other = keras_lms.wrap(build(), min_bytes=0, keep_last=0)
+        with pytest.raises(AssertionError):
+            _assert_float16_rounding_only(model, other, RNG.random((4, 6)).astype("float32"), build=build,
+                                          tol=2e-2, factor=3.0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
 def _assert_float16_rounding_only(model, wrapped, x, build=models.unet2d, tol=1e-3, factor=1.5):
     """JAX: XLA sums a float16 bias gradient (thousands of float16 terms) in another order once the optimisation
     barriers change its fusions (the lean transposed convolution sums in another order too): wrapped and plain
