@@ -127,11 +127,9 @@ def test_shared_layer_gets_gradients_from_every_call():
 def test_mixed_precision(mixed_precision):
     model = models.unet2d()
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
-    if BACKEND == "jax":
-        _assert_float16_rounding_only(model, wrapped, images(size=32, channels=1))
-    else:
+    if BACKEND != "jax":  # (on JAX: test_zoo_under_mixed_precision[unet2d-mixed_float16])
         assert_matches(model, wrapped, images(size=32, channels=1), tol=1e-3)
-    dtypes = {d for e in wrapped.lms_plan if e.offloaded for d in e.dtypes}
+    dtypes = {d for e in wrapped.lms_plan or wrapped.plan(batch_size=4) if e.offloaded for d in e.dtypes}
     assert "float16" in dtypes  # activations go to host in their own dtype
 
 
