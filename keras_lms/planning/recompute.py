@@ -160,9 +160,11 @@ def choose_recomputed(candidates: dict, step_seconds, fits=None) -> frozenset:
         if taken is not None:
             chosen = chosen | taken
     every = frozenset(order)
-    if every != chosen and every and fits(every) and step_seconds(every) < best:
-        log.info("keras-lms: recomputing every candidate beats the greedy choice.")
-        chosen, best = every, step_seconds(every)
+    if every != chosen and every and fits(every):
+        seconds = step_seconds(every)
+        if seconds < best:
+            log.info("keras-lms: recomputing every candidate beats the greedy choice.")
+            chosen, best = every, seconds
     return refine(chosen, best, order, step_seconds, fits)
 
 

@@ -37,7 +37,7 @@ class RecomputedCopy:
 
 def usable_producer(record) -> bool:
     """Whether a record's output can be recomputed in windows (what planning assumed; else it is copied)."""
-    if record is not None and record.slabs is None and record.upsampling is not None:
+    if record is not None and record.upsampling is not None:  # (never slab-computed: StepContext._upsampling)
         return (record.n_outputs == 1 and len(record.hosts) == 1
                 and (record.hosts[0] is not None or record.kept[0] is not None))
     plan = record.slabs if record is not None else None
@@ -57,7 +57,7 @@ class RecomputedWindows:
     def _recomputed_window(self, copy: RecomputedCopy, a: int, b: int, gates, reader, kind: str):
         """Rows [a, b) of the producer's output, recomputed on ``reader``'s device from its inputs' windows."""
         producer = copy.producer
-        if producer.upsampling is not None and producer.slabs is None:
+        if producer.upsampling is not None:
             return self._upsampled_window(producer, a, b, gates, reader, kind)
         plan = producer.slabs
         lo, hi = max(0, a - plan.halo), min(plan.length, b + plan.halo)
