@@ -21,7 +21,9 @@ measured (``"complete": false``). Sections:
 3. step time at two edges that fit both ways (~80% and ~50% of the plain model's largest volume): median
    step time plain and wrapped (steps alternate, same weights), peak
    device memory (``torch.cuda.max_memory_allocated``), offloaded bytes per step (the plan) and the bytes
-   actually copied (beside the report's predicted bytes and step times on the calibrated profile), and the
+   actually copied (beside the report's predicted bytes and step times on the calibrated profile); with the
+   profile, also the time-aware plan ``wrap(model, device_profile=...)`` (``--timed-profile``, default the
+   calibrated one: the activations it recomputes instead of copying), its bytes, recomputes and prediction; and the
    lower bound ``max(plain step, offloaded/BW_d2h + offloaded/BW_h2d)`` (each
 
 Imports only keras (torch back end), torch, numpy, keras_lms and benchmarks/ (models.py, gpu_bench_measure.py:
@@ -70,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 2; smoke: 1)")
     p.add_argument("--bandwidth-mib", type=int, default=1024)
     p.add_argument("--min-bytes", type=int, default=None, help="keras_lms.wrap min_bytes (default 1 MiB; smoke: 0)")
+    p.add_argument("--timed-profile", default=None, metavar="PROFILE",
+                   help="device profile the time-aware plan is made for (a built-in name or a JSON file; default: "
+                        "the profile calibrated in this run). Its prediction is always on the calibrated one")
     p.add_argument("--simulate-oom-mvoxels", default=None, metavar="PLAIN,LMS",
                    help="CI only: treat steps above these Mvoxels as out of memory (exercises the bisection on CPU)")
     args = p.parse_args(argv)

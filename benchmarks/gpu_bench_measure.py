@@ -240,14 +240,30 @@ def predicted_times(wrapped, batch: int, profile) -> dict:
             "predicted_h2d_gib": planned.host_to_device_bytes / GIB}
 
 
+def _recomputed(wrapped) -> list:
+    """The calls whose outputs the wrapped model's last traced plan recomputes instead of copying."""
+    return [e.index for e in wrapped.lms_plan if e.recomputed_output]
+
+
 def time_steps(edge: int, args, bandwidth: dict | None, profile=None) -> dict:
+    """Median step times at ``edge``: plain, wrapped with the defaults (offload-only) and, with ``profile`` (the
+    one calibrated in this run), the time-aware plan ``wrap(model, device_profile=...)`` made for
+    ``args.timed_profile`` or ``profile`` (what it recomputes instead of copying), steps alternating on the same
+    weights, with the bytes each copied and the report's predictions on ``profile`` beside them."""
     model, wrapped = build_pair(edge, args, wrap=True)
+    modes = [("plain", model), ("lms", wrapped)]
+    timed = None
+    if profile is not None:
+        timed = keras_lms.wrap(model, min_bytes=args.min_bytes, device_profile=getattr(args, "timed_profile", None)
+                               or profile)
+        timed.compile(optimizer=keras.optimizers.SGD(1e-3), loss="binary_crossentropy")
+        modes.append(("timed", timed))
     x, y = make_data(edge, args.batch)
-    times = {"plain": [], "lms": []}
-    peaks = {"plain": [], "lms": []}
-    copied = []
+    times = {mode: [] for mode, _ in modes}
+    peaks = {mode: [] for mode, _ in modes}
+    copies = {mode: [] for mode, _ in modes}
     for step in range(args.warmup + args.steps):
-        for mode, m in (("plain", model), ("lms", wrapped)):
+        for mode, m in modes:
             _sync()
             _reset_peak()
             before = lms_torch.transfer_stats()
@@ -259,8 +275,8 @@ def time_steps(edge: int, args, bandwidth: dict | None, profile=None) -> dict:
             if step >= args.warmup:
                 times[mode].append(seconds)
                 peaks[mode].append(_peak_gib())
-                if mode == "lms":
-                    copied.append((after["d2h_bytes"] - before["d2h_bytes"], after["h2d_bytes"] - before["h2d_bytes"]))
+                copies[mode].append({k: after[k] - before[k] for k in ("d2h_bytes", "h2d_bytes", "recomputed_outputs")})
+    copied = [(c["d2h_bytes"], c["h2d_bytes"]) for c in copies["lms"]]
     offloaded = wrapped.offloaded_bytes_per_step
     plain_s, lms_s = statistics.median(times["plain"]), statistics.median(times["lms"])
     d2h, h2d = (statistics.median(c[0] for c in copied), statistics.median(c[1] for c in copied))
@@ -290,7 +306,23 @@ def time_steps(edge: int, args, bandwidth: dict | None, profile=None) -> dict:
     }
     if profile is not None:
         result.update(predicted_times(wrapped, args.batch, profile))
-    del model, wrapped, x, y
+        timed_s = statistics.median(times["timed"])
+        predicted = predicted_times(timed, args.batch, profile)
+        result.update({
+            "timed_ms": timed_s * 1e3,
+            "timed_times_ms": [t * 1e3 for t in times["timed"]],
+            "timed_peak_gib": max(peaks["timed"]) if peaks["timed"][0] is not None else None,
+            "timed_d2h_gib": statistics.median(c["d2h_bytes"] for c in copies["timed"]) / GIB,
+            "timed_h2d_gib": statistics.median(c["h2d_bytes"] for c in copies["timed"]) / GIB,
+            "timed_recomputed": statistics.median(c["recomputed_outputs"] for c in copies["timed"]),
+            "timed_recomputed_planned": len(_recomputed(timed)),
+            "timed_ratio_to_plain": timed_s / plain_s,
+            "timed_ratio_to_lms": timed_s / lms_s,
+            "predicted_timed_ms": predicted["predicted_lms_ms"],
+            "predicted_timed_d2h_gib": predicted["predicted_d2h_gib"],
+            "predicted_timed_h2d_gib": predicted["predicted_h2d_gib"],
+        })
+    del model, wrapped, timed, x, y
     _free()
     return result
 

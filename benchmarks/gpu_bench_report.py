@@ -158,6 +158,23 @@ def to_markdown(data) -> str:
                 f"{_fmt(t['lms_ms'], '.1f')} | {_fmt(t['predicted_lms_ms'], '.1f')} | {_fmt(t['d2h_gib'], '.3f')} | "
                 f"{_fmt(t['predicted_d2h_gib'], '.3f')} | {_fmt(t['h2d_gib'], '.3f')} | "
                 f"{_fmt(t['predicted_h2d_gib'], '.3f')} |")
+        timed = [t for t in data["timing"] if "timed_ms" in t]
+        if timed:
+            lines += ["", "The time-aware plan, `keras_lms.wrap(model, device_profile=<profile.json of this run>)` "
+                          "(activations after BatchNorms recomputed in their readers' backward instead of "
+                          "copied), beside offload-only (`wrap` defaults) and its own prediction:", "",
+                      "| edge | offload-only ms | time-aware ms | predicted | time-aware / plain | "
+                      "time-aware / offload-only | recomputed (planned) | peak GiB | D2H GiB | predicted | "
+                      "H2D GiB | predicted |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for t in timed:
+                lines.append(
+                    f"| {t['edge']} | {_fmt(t['lms_ms'], '.1f')} | {_fmt(t['timed_ms'], '.1f')} | "
+                    f"{_fmt(t['predicted_timed_ms'], '.1f')} | {_fmt(t['timed_ratio_to_plain'], '.3f')} | "
+                    f"**{_fmt(t['timed_ratio_to_lms'], '.3f')}** | {t['timed_recomputed']} "
+                    f"({t['timed_recomputed_planned']}) | {_fmt(t['timed_peak_gib'], '.2f')} | "
+                    f"{_fmt(t['timed_d2h_gib'], '.3f')} | {_fmt(t['predicted_timed_d2h_gib'], '.3f')} | "
+                    f"{_fmt(t['timed_h2d_gib'], '.3f')} | {_fmt(t['predicted_timed_h2d_gib'], '.3f')} |")
     else:
         lines.append("not measured")
     if data["errors"]:

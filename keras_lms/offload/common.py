@@ -302,3 +302,15 @@ class InterceptingContext:
             return self.call(index, unit, original, args, kwargs)
 
         return intercepted_call
+
+
+@contextlib.contextmanager
+def given_moments(unit, moments):
+    """Within the block, BatchNormalization's batch statistics are ``moments(inputs)`` (None: its own): a
+    recompute normalises with the forward's statistics (both back ends' recomputes)."""
+    hook = adapter.batchnorm_moments_hook(unit)
+    if moments is None or hook is None:
+        yield
+        return
+    with adapter.patched_attribute(unit, hook, lambda inputs, mask: moments(inputs)):
+        yield

@@ -37,22 +37,40 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     decisions = rules.decide_all(calls, config, batch_size)
     if config.device_budget is not None:
         decisions = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
     entries = _note_slabs(calls, entries, facts, batch_size)
     if config.device_profile is not None:
-        _plan_recompute(calls, entries, config, facts, batch_size)
+        _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
     return entries
 
 
-def _plan_recompute(calls, entries, config, facts, batch_size: int) -> None:
+def keep_unread_activation_outputs(calls, decisions, facts) -> list:
+    """Keep the activation calls differentiated from their output whose output no consumer offloads.
+
+    Such a call's backward reads its output from its consumer's host copy (``BackendFacts.reads_output_host_copy``).
+    When every consumer keeps the output on the device for its own backward (the last layers, ``keep_last``),
+    there is no host copy to read and nothing to free: the output is on the device anyway. Offloaded, the torch
+    back end would copy it to host and back for nothing (a full-size level-0 tensor before a U-Net's head)."""
+    offloaded_keys = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
+    out = list(decisions)
+    for i, (call, d) in enumerate(zip(calls, decisions)):
+        if (d.offloaded and facts.output_gradient_activation(call.unit) is not None and call.output_keys
+                and not offloaded_keys & set(call.output_keys)):
+            out[i] = CallDecision([False] * len(d.offload_tensor),
+                                  "kept: its gradient reads its output, which its consumers keep on the device",
+                                  d.slab_bytes, d.recompute_from)
+    return out
+
+
+def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
+                    update_bytes: int = 0) -> None:
     """Mark the tensors to recompute instead of copying (``planning.recompute``), chosen by the predicted step
     on ``config.device_profile``, and say so in the entries' reasons."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
     slab_bytes = min((e.slab_bytes for e in entries if e.offloaded), default=0)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
-    if not slabs:
-        return
-    chains = facts.fused_slab_chains(calls, offloaded, slabs)
+    chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
     candidates = {s.producer: s for s in facts.recompute_sources(calls, offloaded, slabs, chains, batch_size).values()
                   if s.chosen}
     if not candidates:
@@ -62,7 +80,14 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int) -> None:
         return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
                                  slab_bytes, config.lean_normalization, recomputed).step_seconds
 
-    chosen = choose_recomputed(candidates, seconds)
+    fits = None
+    if config.device_budget is not None:
+        def fits(recomputed):  # a whole recompute holds its source's copy back longer (memory_model)
+            return simulate(calls, offloaded, facts, batch_size, config.prefetch, static_bytes,
+                            update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                            slab_bytes=slab_bytes, recomputed=recomputed).budget_bytes <= config.device_budget
+
+    chosen = choose_recomputed(candidates, seconds, fits)
     if not chosen:
         return
     log.info("keras-lms: recomputing %d tensors instead of copying them (predicted step %.3f s on %s).",
@@ -70,9 +95,15 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int) -> None:
     by_key = {candidates[p].key: p for p in chosen}
     recounted = {}  # recomputed key -> the first entry that counted it as new host bytes
     for p in sorted(chosen):
+        source = candidates[p]
         entries[p].recomputed_output = True
-        entries[p].reason += ("; its output is not copied: every backward that reads it recomputes its windows "
-                              "from this call's inputs (cheaper than the host link on "
+        if source.length > 1:
+            how = "every backward that reads it recomputes its windows from this call's inputs"
+        else:  # recomputed whole (torch), from the copy of another call's input
+            names = ", ".join(calls[q].unit.name for q in range(len(calls)) if set(calls[q].output_keys)
+                              & {k for k, _ in source.inputs})
+            how = f"the backward that reads it recomputes it from the host copy of {names}'s output"
+        entries[p].reason += (f"; its output is not copied: {how} (cheaper than the host link on "
                               f"{config.device_profile.name})")
     for i, call in enumerate(calls):
         producers = [by_key[k] for k in call.keys if k in by_key]
@@ -80,7 +111,8 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int) -> None:
             continue
         entries[i].recomputed_inputs = sorted(set(producers))
         names = ", ".join(calls[p].unit.name for p in entries[i].recomputed_inputs)
-        entries[i].reason += f"; its input from {names} is recomputed in windows, not copied"
+        windows = " in windows" if any(candidates[p].length > 1 for p in entries[i].recomputed_inputs) else ""
+        entries[i].reason += f"; its input from {names} is recomputed{windows}, not copied"
         for key, shape, dtype, off in zip(call.keys, call.shapes, call.dtypes, entries[i].tensor_offloaded):
             if off and key in by_key:  # no host copy of it (host memory: only what is copied)
                 size = tensor_bytes(shape, dtype, batch_size)

@@ -35,6 +35,7 @@ import dataclasses
 
 from keras_lms.planning import layer_facts
 from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.recompute import active_sources
 
 # Safety margin on the activation peak for the planner's budget decisions only (not in reported predictions):
 # allocator rounding/fragmentation, cuDNN workspaces and early copies back, which the calibration reference
@@ -87,7 +88,7 @@ def tensor_sizes(calls, batch_size: int):
 
 def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, unwrapped: bool = False, update_bytes: int = 0,
-             lean_normalization: bool = True, slab_bytes: int = 0) -> StepMemory:
+             lean_normalization: bool = True, slab_bytes: int = 0, recomputed=frozenset()) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     See the module docstring for what each call holds. ``facts`` is the back end's ``BackendFacts``
@@ -96,7 +97,12 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     ``update_bytes`` are the optimizer update's temporaries (``BackendFacts.update_temporary_bytes``).
     ``lean_normalization`` is ``LMSConfig.lean_normalization`` (``BackendFacts.lean_normalization_call``).
     ``slab_bytes`` is ``LMSConfig.slab_bytes``: offloaded local calls larger than a slab are computed in slabs
-    where the back end plans them (``BackendFacts.slab_plans``).
+    where the back end plans them (``BackendFacts.slab_plans``). ``recomputed``: the calls whose outputs are
+    recomputed instead of copied (``planning.recompute``). A recomputed tensor occupies its reader's backward as
+    its copy back would have; read whole, its recompute also holds its source's inputs, brought back from the
+    reader's copy-back position on (until the source's ``shared_reader`` takes them over, or the reader's
+    backward ends), and its temporaries. Read in windows (TensorFlow's slabs), it lives like a slab window and
+    is not charged separately.
     """
     n = len(calls)
     positions = 2 * n
@@ -105,6 +111,10 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
     elided = facts.elided_concatenations(calls, slabs, batch_size)  # never built: its reader reads parts
+    sources = {}
+    if recomputed:
+        chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
+        sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
@@ -164,6 +174,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
             if off and reads_inputs and i not in slabs:  # swapped in for its backward, prefetch calls early
                 hold(size, arrives(i), backward)
+                if key in sources:
+                    _hold_recompute_inputs(sources[key], arrives(i), backward, arrives, hold)
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
         # (normalization; layout copies), and the recomputed output of an offloaded call (max pooling, or every
         # call on a back end that recomputes them: BackendFacts.recomputes_offloaded_calls)
@@ -203,6 +215,17 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         running += delta[pos]
         timeline.append(running)
     return StepMemory(static_bytes, timeline, update_bytes)
+
+
+def _hold_recompute_inputs(source, start: int, backward: int, arrives, hold) -> None:
+    """A whole recompute in the backward at position ``backward``: its source's inputs from ``start`` (the
+    copy back) until its ``shared_reader``'s own copy back would have landed (that reader holds them from
+    there), or until ``backward`` ends; its temporaries during ``backward``."""
+    end = backward if source.shared_reader is None else arrives(source.shared_reader) - 1
+    for key, size in source.inputs:
+        if key not in source.resident:
+            hold(size, start, max(end, backward))
+    hold(source.temporary_bytes, backward, backward)
 
 
 def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold):

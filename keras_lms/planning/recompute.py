@@ -43,6 +43,10 @@ class RecomputeSource:
         scale: output rows per input row (an up-sampling producer, ``layer_facts.upsampling_scale``; its inputs
             have ``length // scale`` rows and a window reads ``1 / scale`` of its rows from them); 1 otherwise.
         resident: keys of inputs the plan keeps on the device: their windows are sliced there (no host bytes).
+        shared_reader: a call whose own backward reads the producer's input whole from its host copy and takes
+            the copy a recompute brought back instead of bringing it back again (torch: the BatchNormalization
+            of a recomputed ``BatchNormalization -> activation`` output); None where windows are read.
+        temporary_bytes: device bytes the recompute holds besides its result (its float32 slabs).
     """
 
     key: object
@@ -56,6 +60,8 @@ class RecomputeSource:
     exact_rows: bool = False
     scale: int = 1
     resident: tuple = ()
+    shared_reader: int | None = None
+    temporary_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -98,6 +104,11 @@ def expand_read(key, size: int, rows: float, windows: int, length: int, sources:
         if input_key not in source.resident:
             out.add(expand_read(input_key, input_size, inner_rows, windows, inner_length, sources))
     return out
+
+
+def active_sources(sources: dict, recomputed) -> dict:
+    """The recompute sources in effect: the back end's own (fused chains) and the chosen producers'."""
+    return {key: s for key, s in sources.items() if not s.chosen or s.producer in recomputed}
 
 
 def recomputed_producers(entries) -> frozenset:

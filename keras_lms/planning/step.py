@@ -58,10 +58,12 @@ class StepPlan:
         return min((e.slab_bytes for e in self.entries if e.offloaded), default=self.config.slab_bytes)
 
     def wrapped_memory(self, offloaded=None) -> StepMemory:
-        """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's)."""
+        """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's, with
+        nothing recomputed)."""
         return simulate(self.calls, self.offloaded if offloaded is None else offloaded, self.facts, self.batch_size,
                         self.config.prefetch, self.static_bytes, update_bytes=self.update_bytes,
-                        lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes)
+                        lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
+                        recomputed=self.recomputed if offloaded is None else frozenset())
 
     def offload_only(self) -> list:
         """The offload-only plan: every tensor the per-call rules (min_bytes, keep_last, include/exclude) allow
@@ -85,9 +87,7 @@ class StepPlan:
         """The calls whose outputs the back end could recompute in windows with the plan's offload decisions
         (``BackendFacts.recompute_sources``): the planner chooses among them."""
         slabs = self.facts.slab_plans(self.calls, self.offloaded, self.batch_size, self.slab_bytes)
-        if not slabs:
-            return frozenset()
-        chains = self.facts.fused_slab_chains(self.calls, self.offloaded, slabs)
+        chains = self.facts.fused_slab_chains(self.calls, self.offloaded, slabs) if slabs else {}
         sources = self.facts.recompute_sources(self.calls, self.offloaded, slabs, chains, self.batch_size)
         return frozenset(s.producer for s in sources.values() if s.chosen)
 

@@ -11,6 +11,9 @@ The same walk as the memory model (``memory_model.simulate``), counting transfer
   call, not once per tensor: a U-Net skip read by a convolution and by a concatenation's reader comes back for
   each). A call whose gradient reads its own output reuses its first reader's copy back when that reader brought
   the whole tensor back, and brings it back itself otherwise.
+- **recomputed tensors** (``planning.recompute``) are never copied: a read expands to reads of the host copies
+  their recompute starts from. Read whole (torch), that copy back also serves the source's own reader
+  (``RecomputeSource.shared_reader``), which then brings nothing back itself.
 - **slab-computed calls** bring back windows, with halos, once per pass (``BackendFacts.slab_traffic``): on
   TensorFlow a convolution's backward windows overlap by twice its halo and a BatchNormalization's backward
   reads every window twice, which is why copies back exceed copies out (about 2x on the 3D U-Net).
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.planning.memory_model import tensor_sizes
-from keras_lms.planning.recompute import expand_read
+from keras_lms.planning.recompute import active_sources, expand_read
 
 
 @dataclasses.dataclass
@@ -83,8 +86,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
-    sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size) if slabs else {},
-                             recomputed)
+    sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
@@ -94,6 +96,8 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     whole_reader = {}  # key -> the first call whose backward brings the whole tensor back
     read = set()  # keys some backward reads from host
     sizes = {}
+    whole_reads = {}  # (call, key) -> bytes the call's backward brings back whole
+    shared = []  # recompute sources read whole, whose inputs their shared_reader takes from the recompute
 
     def window_read(i, key, size, rows, windows, length, kind):
         """A read of windows of ``key`` by call i: from its host copy, or expanded where it is recomputed."""
@@ -124,11 +128,19 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
         for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]):
             if not off:
                 continue
+            if key in sources:  # never copied: recomputed whole in this backward from its source's host copies
+                if reads_inputs:
+                    window_read(i, key, size, 1, 1, sources[key].length, "bwd")
+                    whole_reader.setdefault(key, i)
+                    if sources[key].shared_reader is not None:
+                        shared.append(sources[key])
+                continue
             first_offload.setdefault(key, i)
             sizes[key] = size
             if reads_inputs:
                 read.add(key)
                 bwd_in[i] += size
+                whole_reads[(i, key)] = size
                 whole_reader.setdefault(key, i)
     for i, call in enumerate(calls):
         if (i in elided or i in fused_between or not facts.reads_output_host_copy(call.unit)
@@ -146,12 +158,11 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 read.add(key)
                 sizes.setdefault(key, size)
                 bwd_in[i] += size  # brings the output back itself
+    for source in shared:  # (torch) the recompute's copy back stays on the device for the input's own reader
+        for key, _ in source.inputs:
+            if key not in source.resident:
+                bwd_in[source.shared_reader] -= whole_reads.pop((source.shared_reader, key), 0)
     for key in read:
         out[first_offload[key]] += sizes[key]
     return LinkTraffic(out, fwd_in, bwd_in, pieces, [tuple(w) for w in work["fwd"]],
                        [tuple(w) for w in work["bwd"]])
-
-
-def active_sources(sources: dict, recomputed) -> dict:
-    """The recompute sources in effect: the back end's own (fused chains) and the chosen producers'."""
-    return {key: s for key, s in sources.items() if not s.chosen or s.producer in recomputed}

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
+from keras_lms.offload.common import given_moments
 
 __all__ = ["TotalMoments", "capture_moments", "given_moments", "reuse_moments", "without_activation"]
 
@@ -97,17 +98,6 @@ class without_activation:
     def __exit__(self, *exc):
         if self.enabled:
             object.__setattr__(self.unit, "activation", self.saved)
-
-
-@contextlib.contextmanager
-def given_moments(unit, moments):
-    """Within the block, BatchNormalization's batch statistics are ``moments(inputs)`` (None: its own)."""
-    hook = adapter.batchnorm_moments_hook(unit)
-    if moments is None or hook is None:
-        yield
-        return
-    with adapter.patched_attribute(unit, hook, lambda inputs, mask: moments(inputs)):
-        yield
 
 
 class TotalMoments:

@@ -58,8 +58,9 @@ class _CallRecord:
         self.forward_result = None
         self.transfer = None  # the Transfer of the call's device
         self.rng = None  # torch's global RNG states before the forward call (unseeded Dropout draws from them)
-        self.lean = False  # BatchNormalization: capture the batch statistics, differentiate with the fused kernel
-        self.moments = None  # (mean, variance) of a lean BatchNormalization call's forward, else None
+        self.lean = False  # BatchNormalization: differentiate with the fused kernel from the captured statistics
+        self.captures_moments = False  # BatchNormalization: keep the forward's batch statistics (lean, recompute)
+        self.moments = None  # (mean, variance) of a BatchNormalization call's forward once captured, else None
         self.lean_conv = False  # a convolution differentiated without recompute (lean_conv)
 
     # ------------------------------------------------------------------------------------- forward
@@ -68,7 +69,9 @@ class _CallRecord:
         for x, mask in zip(xs, self.masks):
             adapter.set_mask(x, mask)
         args, kwargs = common.rebuild(self.template, self.positions, xs)
-        capture = lean_norm.capturing_moments(self.unit, self, xs[0]) if self.lean else contextlib.nullcontext()
+        # the batch statistics, for the lean backward and for recomputing the output (recompute)
+        capture = (lean_norm.capturing_moments(self.unit, self, xs[0]) if self.captures_moments
+                   else contextlib.nullcontext())
         with capture:
             outputs, new_state, losses = adapter.run_stateless(self.unit, self.original, values, self.snapshot,
                                                                args, kwargs, self.autocast)
@@ -90,20 +93,22 @@ class _CallRecord:
             return
         self.started = True
         self.swaps = {}
+        shared = set()
         for host in self.host_copies():
             if id(host) in self.swaps:
                 continue
             swap = host.resident
             if swap is not None:
                 self.step.count(shared_swap_ins=1)
+                shared.add(id(host))
             else:
-                swap = self.transfer.to_device(host)
+                swap = host.bring_back(self.transfer)  # a copy back, or a recompute (recompute.RecomputedCopy)
                 others = host.output_pending - (1 if host is self.output_host else 0)
                 if others > 0:
                     host.resident = swap  # an activation layer's backward reads it right after ours
             self.swaps[id(host)] = swap
         for host in self.host_copies():
-            host.done(output_reader=host is self.output_host)
+            host.done(output_reader=host is self.output_host, shared=id(host) in shared)
 
     def backward(self, grads):
         if self.finished:
@@ -120,7 +125,7 @@ class _CallRecord:
                 dy = grads[0]
                 dx = None if dy is None else self.output_grad(y, dy)
                 return [dx] + [None] * (self.n_inputs - 1) + [None] * len(self.trainable)
-            if self.moments is not None:
+            if self.lean and self.moments is not None:
                 return self._lean_vjp(grads)
             if self.lean_conv:
                 return self._lean_conv_vjp(grads)

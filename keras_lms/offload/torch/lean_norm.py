@@ -25,12 +25,17 @@ from keras_lms.offload.torch import step_memory
 
 
 def eligible(unit, config, tensors, kwargs) -> bool:
-    """Whether the call's backward may take the lean kernel: Keras' own BatchNormalization (no renorm, not
-    synchronized, its ``call`` not overridden), one input tensor, no mask, ``lean_normalization`` on. Whether
-    it uses batch statistics (training and trainable) shows in the forward: only then are moments captured."""
-    return (config.lean_normalization and type(unit) is keras.layers.BatchNormalization
-            and adapter.batchnorm_moments_hook(unit) is not None and len(tensors) == 1
-            and kwargs.get("mask") is None and tensors[0].ndim >= 2)
+    """Whether the call's backward may take the lean kernel: ``captures_moments``, ``lean_normalization`` on."""
+    return config.lean_normalization and captures_moments(unit, tensors, kwargs)
+
+
+def captures_moments(unit, tensors, kwargs) -> bool:
+    """Whether the call's batch statistics can be kept (for the lean backward, or for recomputing its output:
+    ``recompute``): Keras' own BatchNormalization (no renorm, not synchronized, its ``call`` not overridden),
+    one input tensor, no mask. Whether it uses batch statistics (training and trainable) shows in the forward:
+    only then are moments captured."""
+    return (type(unit) is keras.layers.BatchNormalization and adapter.batchnorm_moments_hook(unit) is not None
+            and len(tensors) == 1 and kwargs.get("mask") is None and tensors[0].ndim >= 2)
 
 
 @contextlib.contextmanager

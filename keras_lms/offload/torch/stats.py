@@ -20,6 +20,7 @@ class TransferStats:
     output_gradient_calls: int = 0
     lean_convolution_calls: int = 0  # convolution backward passes without recompute (lean_conv)
     lean_normalization_calls: int = 0  # BatchNormalization backward passes taken by the fused kernel (lean_norm)
+    recomputed_outputs: int = 0  # tensors recomputed in a backward instead of brought back (recompute)
     plain_calls: int = 0
 
 

@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
-from keras_lms.offload.torch import lean_conv, lean_norm
+from keras_lms.offload.torch import lean_conv, lean_norm, recompute
 from keras_lms.offload.torch.devices import validate_host_device
 from keras_lms.offload.torch.function import _CallRecord, _OffloadedFunction
 from keras_lms.offload.torch.no_recompute import input_gradient_from_output, runs_plainly
@@ -54,6 +54,11 @@ class StepContext(common.InterceptingContext):
         self.count = self.offloader.stats.count
         self.pool.new_step()
         self._lock = threading.RLock()
+        # recomputed instead of copied (recompute): the planned producers, the BatchNorm records by their output
+        # (the activation after one recomputes through it) and the stand-ins swap_out hands out
+        self.recomputed_producers = {entry.index for entry in plan if entry.recomputed_output} if plan else set()
+        self.normalized_by = WeakIdKeyDictionary()  # BatchNorm output -> its _CallRecord
+        self.recomputed = WeakIdKeyDictionary()  # tensor -> RecomputedCopy
 
     @contextlib.contextmanager
     def forward_scope(self):
@@ -97,6 +102,9 @@ class StepContext(common.InterceptingContext):
     def swap_out(self, tensor) -> _HostCopy:
         """The step's host copy of ``tensor`` (made once, shared by every call that offloads it)."""
         with self._lock:
+            recomputed = self.recomputed.get(tensor)
+            if recomputed is not None:
+                return recomputed  # never copied: recomputed in its reader's backward
             host = self.host_copies.get(tensor)
             if host is None or host.buffer is None:
                 host = self.transfer(tensor.device).to_host(tensor)
@@ -115,6 +123,7 @@ class StepContext(common.InterceptingContext):
         record.transfer = self.transfer(next((t.device for t in tensors if t.is_cuda), tensors[0].device))
         if act_grad is None:
             record.lean = lean_norm.eligible(unit, self.config, tensors, kwargs)
+            record.captures_moments = lean_norm.captures_moments(unit, tensors, kwargs)
             record.lean_conv = lean_conv.eligible(unit, tensors)
             record.rng = _RngState.capture(tensors)
             for j, (t, off) in enumerate(zip(tensors, decision.offload_tensor)):
@@ -138,6 +147,7 @@ class StepContext(common.InterceptingContext):
                 adapter.set_mask(leaf, mask)
             leaves.append(leaf)
         outputs = keras.tree.pack_sequence_as(outputs, leaves)
+        self._register_recompute(index, record, tensors, tensor_results)
         if act_grad is not None:
             if not tensor_results or tensor_results[0].grad_fn is None:
                 act_grad = record.output_grad = None  # nothing will ask for its gradient
@@ -158,6 +168,20 @@ class StepContext(common.InterceptingContext):
         self.records[index] = record
         self.count(offloaded_calls=1)
         return outputs
+
+    def _register_recompute(self, index, record, tensors, results):
+        """A BatchNorm's output, or an activation's after one, that the plan recomputes: ``swap_out`` hands out a
+        ``RecomputedCopy`` for it from now on (when the records hold what it needs; else it is copied)."""
+        if record.moments is not None and len(results) == 1:
+            self.normalized_by[results[0]] = record
+        if index not in self.recomputed_producers or len(results) != 1:
+            return
+        if record.moments is not None:
+            norm, activation = record, None
+        else:
+            norm, activation = self.normalized_by.get(tensors[0]) if len(tensors) == 1 else None, record
+        if recompute.usable(norm, activation):
+            self.recomputed[results[0]] = recompute.RecomputedCopy(norm, activation, self.tensor_bytes(results[0]))
 
     # ---------------------------------------------------------------------------------- backward
     def begin_backward(self, record):

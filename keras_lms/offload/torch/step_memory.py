@@ -11,6 +11,8 @@ the U-Nets there, plain and wrapped):
 * a convolution's input gradient comes out channels-first and is copied back to Keras' layout;
 * every offloaded call is recomputed in its backward, except the lean BatchNormalization and convolution calls
   (``lean_norm``, ``lean_conv``);
+* with a device profile, a lean BatchNormalization's output (or the activation's after it) can be recomputed
+  whole from the BatchNorm's input copy instead of copied (``recompute_candidates``);
 * a prefetched copy back takes its device memory when the trigger's backward issues it (the copy's destination
   is allocated on the compute stream);
 * the autograd engine sums a multiply-read tensor's gradient in its input buffer, a concatenation's input
@@ -26,6 +28,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_lms.offload.torch import recompute_candidates
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.memory_model import variable_bytes
 
@@ -128,6 +131,10 @@ class TorchFacts(BackendFacts):
 
     def lean_convolution_bytes(self, unit) -> int:
         return kernel_copy_bytes(unit)  # no recompute: the kernel's channels-last copy only
+
+    def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
+        # whole tensors, not windows: torch computes no call in slabs (recompute_candidates)
+        return recompute_candidates.recompute_sources(calls, offloaded, self, batch_size)
 
     def update_temporary_bytes(self, model, optimizer=None) -> int:
         # No optimizer (None) counts as Adam, Keras' usual choice; unknown optimizers count as Adam-like.

@@ -35,22 +35,32 @@ class _HostCopy:
     last has issued its swap-in (or when the step's graph is freed without them). ``output_pending`` counts
     activation layers that take their gradient from it (it is their output): while one is pending, the device
     copy a consumer brings back stays ``resident`` so the activation's backward, which runs right after the
-    consumer's, reads it without another transfer.
+    consumer's, reads it without another transfer. ``shared_pending`` counts other readers that will take the
+    ``resident`` copy (a BatchNorm whose input a recompute brought back: ``recompute.RecomputedCopy``).
     """
 
-    __slots__ = ("buffer", "pool", "nbytes", "pending", "output_pending", "resident", "__weakref__")
+    __slots__ = ("buffer", "pool", "nbytes", "pending", "output_pending", "shared_pending", "resident",
+                 "__weakref__")
 
     def __init__(self, buffer, pool, nbytes):
         self.buffer, self.pool, self.nbytes = buffer, pool, nbytes
         self.pending = 0
         self.output_pending = 0
+        self.shared_pending = 0
         self.resident = None
 
-    def done(self, output_reader: bool) -> None:
+    def bring_back(self, transfer: Transfer) -> _SwapIn:
+        """Start the copy back to ``transfer``'s device."""
+        return transfer.to_device(self)
+
+    def done(self, output_reader: bool, shared: bool = False) -> None:
+        """One reader has issued its swap-in (``shared``: it took the ``resident`` copy)."""
         self.pending -= 1
         if output_reader:
             self.output_pending -= 1
-        if self.output_pending <= 0:
+        elif shared and self.shared_pending > 0:
+            self.shared_pending -= 1
+        if self.output_pending <= 0 and self.shared_pending <= 0:
             self.resident = None
         if self.pending <= 0:
             self.release()

@@ -18,7 +18,10 @@ def test_gpu_bench_smoke(tmp_path):
     out = tmp_path / "bench"
     env = dict(os.environ, KERAS_BACKEND="torch")
     cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--out", str(out),
-           "--max-edge", "32", "--simulate-oom-mvoxels", "0.003,0.02"]
+           "--max-edge", "32", "--simulate-oom-mvoxels", "0.003,0.02",
+           # the time-aware plan made for a PCIe GPU (on the CPU's own calibrated profile copies are cheap and
+           # it would recompute nothing), its bytes predicted on the calibrated profile
+           "--timed-profile", "h100-pcie5"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
@@ -42,6 +45,14 @@ def test_gpu_bench_smoke(tmp_path):
         assert t["predicted_lms_ms"] >= t["predicted_plain_ms"] > 0
         assert t["predicted_d2h_gib"] == pytest.approx(t["d2h_gib"], rel=0.10)
         assert t["predicted_h2d_gib"] == pytest.approx(t["h2d_gib"], rel=0.10)
+        # the time-aware plan on the same profile: it recomputes what it planned to, copies less than the
+        # offload-only plan, and the offloader's counters agree with its prediction
+        assert t["timed_recomputed"] == t["timed_recomputed_planned"] > 0
+        assert t["timed_d2h_gib"] < t["d2h_gib"] and t["timed_h2d_gib"] < t["h2d_gib"]
+        assert t["predicted_timed_d2h_gib"] == pytest.approx(t["timed_d2h_gib"], rel=0.10)
+        assert t["predicted_timed_h2d_gib"] == pytest.approx(t["timed_h2d_gib"], rel=0.10)
+        assert t["timed_ms"] > 0 and t["predicted_timed_ms"] > 0
     assert data["profile"]["name"] == "smoke-cpu" and (out / "profile.json").is_file()
     md = (out / "results.md").read_text()
     assert "Voxel ratio wrapped / plain" in md and "| 12 |" in md and "Predicted by" in md
+    assert "The time-aware plan" in md

@@ -36,6 +36,10 @@ TOLERANCE = 0.15
 CASES = {
     "unet2d": (lambda: build_unet((64, 64, 1), depth=3, base_filters=16), (8, 64, 64, 1), {}),
     "unet3d": (lambda: build_unet((32, 32, 32, 1), depth=3, base_filters=8), (4, 32, 32, 32, 1), {}),
+    # the time-aware plan: the activations after BatchNorms recomputed in their readers' backward instead of
+    # copied, the BatchNorm inputs held from there (recompute_candidates, memory_model.simulate's recomputed)
+    "unet3d_recomputed": (lambda: build_unet((32, 32, 32, 1), depth=3, base_filters=8), (4, 32, 32, 32, 1),
+                          dict(device_profile="h100-pcie5")),
     # its peak is Adam's update (three weight-sized temporaries), which no activation offload lowers
     "dense_chain_forced": (lambda: dense_chain(512, 4), (512, 512), dict(min_bytes=0, keep_last=0)),
 }
