@@ -185,7 +185,8 @@ def relative_error(a, b, zero_below=0.0):
 
 
 def compare_step(plain, wrapped, x, y=None, graph=True):
-    """Return a dict of relative errors (loss, outputs, per-gradient max, state max) wrapped vs plain."""
+    """Return a dict of relative errors (loss, outputs, per-gradient max, state max) wrapped vs plain, and both
+    steps' gradients (``gradients``)."""
     y = targets_for(plain, x) if y is None else y
     start, rng = snapshot(plain), rng_state()
     loss_p, grads_p, out_p = train_step(plain, x, y, graph)
@@ -218,6 +219,7 @@ def compare_step(plain, wrapped, x, y=None, graph=True):
         "state": state_errors,
         "state_changed": changed,
         "n_grads": sum(g is not None for g in grads_p),
+        "gradients": {"plain": grads_p, "wrapped": grads_w},  # the raw gradients, for oracles of their own
     }
 
 
