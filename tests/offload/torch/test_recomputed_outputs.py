@@ -24,6 +24,7 @@ from keras_lms.offload import active_backend
 from keras_lms.offload import torch as lms_torch
 from keras_lms.offload.torch import recompute
 from keras_lms.planning.device_profile import load_profile
+from tests import models
 from tests.oracle import assert_matches, restore, snapshot, targets_for, train_step
 
 pytestmark = pytest.mark.torch
@@ -176,3 +177,33 @@ def test_the_plan_predicts_the_recompute_in_the_step_time():
     assert timed.host_to_device_bytes < copied.host_to_device_bytes
     assert timed.recompute_seconds > copied.recompute_seconds
     assert timed.step_seconds < copied.step_seconds
+
+
+@pytest.mark.parametrize("name", sorted(models.ORACLE_CASES))
+def test_the_oracle_zoo_matches_plain_with_recompute(name):
+    """Every oracle model, every tensor offloaded and every candidate recomputed (a PCIe profile): plain's loss,
+    outputs, gradients, BatchNorm statistics and Dropout masks within the zoo's tolerance."""
+    build, data = models.ORACLE_CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, device_profile=PROFILE)
+    lms_torch.reset_transfer_stats()
+    assert_matches(model, wrapped, data())
+    planned = sum(e.recomputed_output for e in wrapped.lms_plan)
+    assert lms_torch.transfer_stats()["recomputed_outputs"] == planned
+    if name in ("unet2d", "resnet_blocks"):  # BatchNorm -> ReLU layers (deep_supervision nests them in blocks)
+        assert planned > 0
+
+
+@pytest.mark.slow
+def test_resnet50_matches_plain_with_recompute():
+    """A real architecture (keras.applications, weights=None): BatchNormalization -> Activation("relu")
+    throughout, so most of its activations are recomputed instead of copied."""
+    build, size, _, tol = models.APPLICATIONS["ResNet50"]
+    keras.utils.set_random_seed(0)
+    model = build()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=1, device_profile=PROFILE)
+    lms_torch.reset_transfer_stats()
+    assert_matches(model, wrapped, np.random.default_rng(0).random((2, size, size, 3)).astype("float32"), tol=tol)
+    planned = sum(e.recomputed_output for e in wrapped.lms_plan)
+    assert planned >= 20 and lms_torch.transfer_stats()["recomputed_outputs"] == planned
