@@ -207,3 +207,19 @@ def test_resnet50_matches_plain_with_recompute():
     assert_matches(model, wrapped, np.random.default_rng(0).random((2, size, size, 3)).astype("float32"), tol=tol)
     planned = sum(e.recomputed_output for e in wrapped.lms_plan)
     assert planned >= 20 and lms_torch.transfer_stats()["recomputed_outputs"] == planned
+
+
+def test_recompute_without_the_lean_normalization():
+    """``lean_normalization=False`` (the BatchNorm's backward recomputes Keras' ops): the statistics are still
+    captured for the recompute, and the step is bit-identical to the copying plan with the same setting."""
+    model = _unet()
+    x = _images()
+    y = targets_for(model, x)
+    copied = _run(model, keras_lms.wrap(model, min_bytes=0, lean_normalization=False), x, y)
+    timed = _run(model, keras_lms.wrap(model, min_bytes=0, lean_normalization=False, device_profile=PROFILE), x, y)
+    assert copied[3]["lean_normalization_calls"] == timed[3]["lean_normalization_calls"] == 0
+    assert timed[3]["recomputed_outputs"] > 0 and timed[3]["d2h_bytes"] < copied[3]["d2h_bytes"]
+    assert float(copied[0]) == float(timed[0])
+    for a, b in zip(copied[1], timed[1]):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
