@@ -142,10 +142,14 @@ class LMSConfig:
             up to summation order; docs/design.md, "Slabs"). Defaults to `256 << 20` (256 MiB).
         device_profile: `None`, a built-in device profile's name (`"h100-pcie5"`, `"h200-pcie5"`, `"gh200"`,
             `"a100-pcie4"`), a profile JSON file (`keras-lms calibrate` writes one) or a
-            `keras_lms.DeviceProfile`. With `device_budget`, the planner then picks, among the slab sizes that
-            fit the budget, the one with the shortest predicted step on that device (larger slabs recompute
-            fewer halos and bring fewer windows back) instead of the largest of `slab_bytes` and its halvings
-            that fits. Stored as the loaded profile. Defaults to `None`.
+            `keras_lms.DeviceProfile`. The planner then decides, per tensor the back end can recompute
+            (TensorFlow: windows of slab-computed calls; torch: the output of a BatchNormalization with batch
+            statistics or of the activation after one), whether to copy it or recompute it where it is read,
+            from the predicted step on that device (and, with `device_budget`, only while the plan fits). With
+            `device_budget` it also picks, among the slab sizes that fit the budget, the one with the shortest
+            predicted step (larger slabs recompute fewer halos and bring fewer windows back) instead of the
+            largest of `slab_bytes` and its halvings that fits. Stored as the loaded profile. Defaults to
+            `None`.
 
     Raises:
         TypeError: a setting has the wrong type (e.g. `keep_last=1.5`, a layer object instead of its name in

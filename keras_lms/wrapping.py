@@ -49,8 +49,10 @@ def wrap(model, *, min_bytes=_DEFAULTS["min_bytes"], keep_last=_DEFAULTS["keep_l
             forward and backward, so only slab-sized temporaries exist on the device (see `LMSConfig`). `0`
             turns slabs off. Defaults to `256 << 20` (256 MiB).
         device_profile: `None`, a built-in device profile's name (`"h100-pcie5"`, `"gh200"`, ...), a profile
-            file from `keras-lms calibrate` or a `keras_lms.DeviceProfile`: with `device_budget`, the planner
-            picks the slab size with the shortest predicted step on that device among those that fit (see
+            file from `keras-lms calibrate` or a `keras_lms.DeviceProfile`: the planner then recomputes, instead
+            of copying, each tensor whose recompute the predicted step on that device says is faster (TensorFlow:
+            windows of slab-computed calls; torch: a BatchNorm's output, or its activation's), and with
+            `device_budget` picks the slab size with the shortest predicted step among those that fit (see
             `LMSConfig`). Defaults to `None`.
         config: a `keras_lms.LMSConfig` to use instead of the keyword settings above (pass one or the other).
 
