@@ -30,10 +30,12 @@ def plan_times(step, profile) -> dict:
 def row_decision(step, index: int) -> str:
     """``keep``, ``copy`` (its inputs' host copies come back for its backward), ``copy+recompute`` (and its
     forward is recomputed from them) or ``recompute`` (its input is recomputed from another call's host copy:
-    ``PlanEntry.recompute_from``)."""
+    ``PlanEntry.recompute_from``, or it is an activation whose gradient reads only its output, recomputed)."""
     entry = step.entries[index]
     if entry.decision != "copy":
         return entry.decision  # keep, or recompute (its input comes from another call's host copy)
+    if entry.recomputed_output and step.facts.backward_reads(step.calls[index].unit) == (False, True):
+        return "recompute"  # its gradient reads only its output, which is recomputed, not copied (torch)
     recomputed = recomputes_forward(step.calls[index], step.facts, step.config.lean_normalization)
     return "copy+recompute" if recomputed else "copy"
 

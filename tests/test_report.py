@@ -138,7 +138,9 @@ def test_report_predicts_step_times_on_a_device_profile():
                            device_profile="h100-pcie5")
     t = rep.totals
     assert t["device_profile"] == "h100-pcie5"
-    assert set(rep.times) == {"plain", "as planned", "offload-only"}
+    # recompute-all where the back end can recompute a tensor of this plan (torch: the ReLUs after BatchNorms)
+    assert {"plain", "as planned", "offload-only"} <= set(rep.times) <= {"plain", "as planned", "offload-only",
+                                                                           "recompute-all"}
     plain, planned = rep.times["plain"], rep.times["as planned"]
     assert plain.exposed_seconds == 0 and plain.device_to_host_bytes == 0 and plain.host_to_device_bytes == 0
     assert t["predicted_step_seconds"] == planned.step_seconds >= plain.step_seconds

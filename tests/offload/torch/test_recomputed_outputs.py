@@ -138,6 +138,12 @@ def test_candidates_are_activations_after_a_batchnorm_with_one_copying_reader():
     assert {plan.entries[p].layer for p in plan.recomputed} == {"relu"}
     reason = next(e.reason for e in plan.entries if e.layer == "relu")
     assert "recomputes it from the host copy of" in reason
+    rows = {r["layer"]: r for r in keras_lms.report(
+        keras_lms.wrap(model, min_bytes=0, keep_last=0, device_profile=PROFILE), batch_size=2,
+        device_profile=PROFILE).rows}
+    assert rows["relu"]["decision"] == "recompute" and rows["relu"]["device_to_host_bytes"] == 0
+    assert rows["reader_a"]["decision"] == "recompute"  # its input is recomputed, not copied
+    assert rows["relu_shared"]["decision"] == "copy"  # two copying readers: its output is copied
 
 
 def test_no_candidates_without_a_profile_or_in_float64():
