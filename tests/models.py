@@ -304,6 +304,24 @@ def conv_chain():
 _RNG = np.random.default_rng(0)
 
 
+def bn_relu_unet3d(size=16):
+    """A small 3D U-Net with Conv -> BatchNorm -> ReLU twice per level, every layer in the global dtype policy
+    (benchmarks.models' U-Net has a float32 head): the lean normalisation's and the recompute's model (torch)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((size, size, size, 1))
+
+    def block(x, filters):
+        for _ in range(2):
+            x = layers.ReLU()(layers.BatchNormalization()(layers.Conv3D(filters, 3, padding="same")(x)))
+        return x
+
+    skip = block(inp, 4)
+    x = block(layers.MaxPooling3D()(skip), 8)
+    x = layers.Conv3DTranspose(4, 2, strides=2, padding="same")(x)
+    x = block(layers.Concatenate()([x, skip]), 4)
+    return keras.Model(inp, layers.Conv3D(1, 1)(x))
+
+
 def images(batch=4, size=16, channels=3, rng=None):
     """Uniform images; ``rng`` makes them independent of which tests ran before (the module's generator is shared)."""
     return (rng or _RNG).random((batch, size, size, channels)).astype("float32")

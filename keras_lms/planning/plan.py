@@ -104,6 +104,18 @@ class RawCall:
     output_keys: list = dataclasses.field(default_factory=list)  # identity of each output tensor (may be empty)
 
 
+def call_graph(calls) -> tuple:
+    """``(producers, consumers)`` of a traced forward pass: output key -> index of the call that makes it, and
+    input key -> indices of the calls that read it (each once, in forward order)."""
+    producers, consumers = {}, {}
+    for i, call in enumerate(calls):
+        for key in call.output_keys:
+            producers[key] = i
+        for key in set(call.keys):
+            consumers.setdefault(key, []).append(i)
+    return producers, consumers
+
+
 @dataclasses.dataclass
 class CallDecision:
     offload_tensor: list  # bool per input tensor

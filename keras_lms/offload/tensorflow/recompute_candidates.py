@@ -23,17 +23,14 @@ from keras_lms.offload.tensorflow.slab_costs import read_parts
 from keras_lms.offload.tensorflow.slab_plan import AXIS, computes_in_slabs_forward
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import call_graph, tensor_bytes
 from keras_lms.planning.recompute import RecomputeSource
 
 
 def recompute_sources(calls, offloaded, slabs: dict, chains: dict, parts: dict, elided: dict, facts,
                       batch_size: int) -> dict:
     """Tensor key -> ``RecomputeSource`` for every tensor this back end can recompute (module docstring)."""
-    consumers = {}
-    for i, call in enumerate(calls):
-        for key in set(call.keys):
-            consumers.setdefault(key, []).append(i)
+    _, consumers = call_graph(calls)
     sources = {}
     for v, (b, r) in chains.items():
         if r is None:

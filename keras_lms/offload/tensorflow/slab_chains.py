@@ -31,6 +31,7 @@ gradients are live, which is the step's peak: +0.48 GiB at 400^3 float32 and +0.
 from __future__ import annotations
 
 from keras_lms.planning import layer_facts
+from keras_lms.planning.plan import call_graph
 
 ENABLED = True
 SHORT_CHAINS = False
@@ -41,12 +42,7 @@ def fused_chains(calls, offloaded, slabs: dict, facts) -> dict:
     module docstring), from the traced calls, the per-call offload decisions and the slab plans."""
     if not ENABLED or not slabs:
         return {}
-    producers, consumers = {}, {}
-    for i, call in enumerate(calls):
-        for key in call.output_keys:
-            producers[key] = i
-        for key in set(call.keys):
-            consumers.setdefault(key, []).append(i)
+    producers, consumers = call_graph(calls)
     chains = {}
     for v, plan in slabs.items():
         conv = calls[v]

@@ -25,18 +25,13 @@ from __future__ import annotations
 
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import call_graph, tensor_bytes
 from keras_lms.planning.recompute import RecomputeSource
 
 
 def recompute_sources(calls, offloaded, facts, batch_size: int) -> dict:
     """Tensor key -> ``RecomputeSource`` for every tensor the torch back end can recompute (module docstring)."""
-    consumers, producers = {}, {}
-    for i, call in enumerate(calls):
-        for key in call.output_keys:
-            producers[key] = i
-        for key in set(call.keys):
-            consumers.setdefault(key, []).append(i)
+    _, consumers = call_graph(calls)
     sources = {}
     for n, call in enumerate(calls):
         if not (len(call.keys) == 1 and len(call.output_keys) == 1 and offloaded[n] and offloaded[n][0]

@@ -19,6 +19,7 @@ from benchmarks.models import build_unet
 from benchmarks.torch_cpu_peak import step_peak
 from keras_lms.offload import torch as lms_torch
 from keras_lms.offload.torch import lean_norm
+from tests import models
 from tests.oracle import assert_matches, compare_step
 
 pytestmark = pytest.mark.torch
@@ -30,22 +31,7 @@ def _unet(size=16, depth=2, filters=4):
 
 
 def _unet_any_dtype():
-    """A small 3D U-Net with BatchNorm after every convolution, all layers in the global dtype policy (the
-    benchmark U-Net's output layer is float32)."""
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-    inp = keras.Input((16, 16, 16, 1))
-
-    def block(x, filters):
-        for _ in range(2):
-            x = layers.ReLU()(layers.BatchNormalization()(layers.Conv3D(filters, 3, padding="same")(x)))
-        return x
-
-    skip = block(inp, 4)
-    x = block(layers.MaxPooling3D()(skip), 8)
-    x = layers.Conv3DTranspose(4, 2, strides=2, padding="same")(x)
-    x = block(layers.Concatenate()([x, skip]), 4)
-    return keras.Model(inp, layers.Conv3D(1, 1)(x))
+    return models.bn_relu_unet3d()
 
 
 def _images(size=16, batch=2, offset=0.0):

@@ -33,21 +33,7 @@ PROFILE = "h100-pcie5"  # copies cost far more than element-wise recompute: ever
 
 
 def _unet():
-    """A small 3D U-Net, BatchNorm -> ReLU after every convolution (the examples' block)."""
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-    inp = keras.Input((16, 16, 16, 1))
-
-    def block(x, filters):
-        for _ in range(2):
-            x = layers.ReLU()(layers.BatchNormalization()(layers.Conv3D(filters, 3, padding="same")(x)))
-        return x
-
-    skip = block(inp, 4)
-    x = block(layers.MaxPooling3D()(skip), 8)
-    x = layers.Conv3DTranspose(4, 2, strides=2, padding="same")(x)
-    x = block(layers.Concatenate()([x, skip]), 4)
-    return keras.Model(inp, layers.Conv3D(1, 1)(x))
+    return models.bn_relu_unet3d()
 
 
 def _images(batch=2):
