@@ -178,6 +178,8 @@ class TensorFlowFacts(BackendFacts):
         return slab_chains.fused_chains(calls, offloaded, slabs, self)
 
     def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
+        if not slabs:
+            return {}  # its recomputes are windows read by slab-computed calls
         return recompute_candidates.recompute_sources(
             calls, offloaded, slabs, chains, concatenation_parts(calls, batch_size),
             elided_concatenations(calls, slabs, batch_size), self, batch_size)
