@@ -215,3 +215,43 @@ def test_recompute_without_the_lean_normalization():
     for a, b in zip(copied[1], timed[1]):
         if a is not None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _Unit:
+    def __init__(self, axis):
+        self.axis = axis
+
+
+class _Norm:
+    def __init__(self, axis=-1):
+        self.unit = _Unit(axis)
+
+
+def test_slab_bounds_cut_the_first_spatial_axis_into_contiguous_rows(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(recompute, "SLAB_ROWS", 100)
+    monkeypatch.setattr(recompute, "SLABS", 64)
+    c = torch.zeros((2, 16, 16, 16, 4))
+    bounds = recompute._slab_bounds(_Norm(), c)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 16 and len(bounds) == 16
+    assert all(b0[1] == b1[0] for b0, b1 in zip(bounds, bounds[1:]))
+    assert recompute._slab_bounds(_Norm(axis=1), c) == [(0, 16)]  # channels first: axis 1 would cut channels
+    assert recompute._slab_bounds(_Norm(), torch.zeros((8, 4))) == [(0, 4)]  # no spatial axis: whole
+    monkeypatch.setattr(recompute, "SLAB_ROWS", 1 << 14)
+    assert recompute._slab_bounds(_Norm(), c) == [(0, 16)]  # 8192 positions: one slab
+
+
+def test_a_resident_copy_waits_for_its_shared_reader():
+    """``_HostCopy``: a recompute leaves the BatchNorm's input resident for the BatchNorm (``shared_pending``);
+    the copy is dropped, and the buffer released, once that reader has taken it."""
+    from keras_lms.offload.torch.transfer import _HostCopy
+
+    host = _HostCopy(buffer=object(), pool=None, nbytes=8)
+    host.pending = 2  # the recompute and the BatchNorm
+    host.resident = swap = object()
+    host.shared_pending = 1
+    host.done(output_reader=False)  # the recompute's own read
+    assert host.resident is swap and host.buffer is not None
+    host.done(output_reader=False, shared=True)  # the BatchNorm took the resident copy
+    assert host.resident is None and host.buffer is None and host.shared_pending == 0
