@@ -130,6 +130,13 @@ def build_pair(edge: int, args, wrap: bool):
     return model, wrapped
 
 
+def wrap_time_aware(model, min_bytes: int, profile):
+    """The time-aware plan of ``model`` for ``profile`` (name, file or DeviceProfile), compiled as ``build_pair``'s."""
+    timed = keras_lms.wrap(model, min_bytes=min_bytes, device_profile=profile)
+    timed.compile(optimizer=keras.optimizers.SGD(1e-3), loss="binary_crossentropy")
+    return timed
+
+
 def try_step(mode: str, edge: int, args) -> dict:
     """One training step of the U-Net at ``edge`` (plain or wrapped); ok or the kind of failure."""
     trial = {"edge": edge, "ok": False, "error": None, "seconds": None, "peak_gib": None}
@@ -254,9 +261,7 @@ def time_steps(edge: int, args, bandwidth: dict | None, profile=None) -> dict:
     modes = [("plain", model), ("lms", wrapped)]
     timed = None
     if profile is not None:
-        timed = keras_lms.wrap(model, min_bytes=args.min_bytes, device_profile=getattr(args, "timed_profile", None)
-                               or profile)
-        timed.compile(optimizer=keras.optimizers.SGD(1e-3), loss="binary_crossentropy")
+        timed = wrap_time_aware(model, args.min_bytes, getattr(args, "timed_profile", None) or profile)
         modes.append(("timed", timed))
     x, y = make_data(edge, args.batch)
     times = {mode: [] for mode, _ in modes}

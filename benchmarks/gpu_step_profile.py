@@ -25,8 +25,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import torch
 
-import keras_lms
-from benchmarks.gpu_bench_measure import _free, _sync, build_pair, make_data
+from benchmarks.gpu_bench_measure import _free, _sync, build_pair, make_data, wrap_time_aware
+from keras_lms.offload import torch as lms_torch
 
 CLASSES = (  # first match wins, on the lower-cased kernel name
     ("host->device copy", ("memcpy htod",)),
@@ -115,13 +115,13 @@ def main(argv=None) -> int:
         raise SystemExit("benchmarks.gpu_step_profile needs KERAS_BACKEND=torch")
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("No CUDA device: run with --smoke for the CPU code path.")
+    if args.smoke and not torch.cuda.is_available():
+        lms_torch.CPU_HOST_COPIES = True  # copy into host pool buffers even without a device, as gpu_bench --smoke
     args.out.mkdir(parents=True, exist_ok=True)
     model, wrapped = build_pair(args.edge, args, wrap=True)
     modes = {"plain": model, "offload-only": wrapped}
     if args.profile:
-        timed = keras_lms.wrap(model, min_bytes=args.min_bytes, device_profile=args.profile)
-        timed.compile(optimizer=keras.optimizers.SGD(1e-3), loss="binary_crossentropy")
-        modes["time-aware"] = timed
+        modes["time-aware"] = wrap_time_aware(model, args.min_bytes, args.profile)
     x, y = make_data(args.edge, args.batch)
     results = {"edge": args.edge, "depth": args.depth, "base_filters": args.base_filters, "batch": args.batch,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
