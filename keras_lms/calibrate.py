@@ -9,8 +9,15 @@ explicit copy streams, and writes them as JSON that ``keras_lms.report(..., devi
 - pinned host -> device and device -> host copies on a side stream (as keras-lms' torch back end copies), alone
   and concurrently (one stream per direction, both started together);
 - element-wise bandwidth (an in-place multiply: read + write);
+- strided layout copies: a 16-channel channels-last 3D tensor copied to channels-first and back, as Keras on
+  torch does around every convolution;
 - Conv3D forward + backward at 16, 32 and 64 channels (and Conv2D at 64), in float32 (TF32 allowed, as Keras
-  trains by default on Ampere and later) and in float16; the profile takes the median Conv3D rate per dtype.
+  trains by default on Ampere and later) and in float16; the profile keeps the Conv3D rates by channel count
+  (``convolution_flops_per_second``: an H200 ran 16 channels 5.6x slower than 64) and their median as the rate
+  of other kernels.
+
+The measurement needs TF32 and cuDNN's autotuner on; the process's own settings are put back afterwards, so
+calibrating inside a training script changes nothing it runs later.
 
 ``--smoke`` runs the same code on the CPU at tiny sizes (CI checks it end to end); its numbers describe nothing.
 """
@@ -105,6 +112,18 @@ def _elementwise(torch, device, nbytes: int, timer, reps: int) -> float:
     return 2 * nbytes / timer.seconds(lambda: x.mul_(1.0000001), reps)
 
 
+def _layout_copies(torch, device, nbytes: int, timer, reps: int) -> float:
+    """Bytes/s (read + written) of Keras-on-torch's layout copies: channels-last -> channels-first -> back."""
+    edge = max(2, round((nbytes / 4 / 16) ** (1 / 3)))
+    x = torch.ones(1, edge, edge, edge, 16, dtype=torch.float32, device=device)
+
+    def copies():
+        first = x.permute(0, 4, 1, 2, 3).contiguous()
+        first.contiguous(memory_format=torch.channels_last_3d)
+
+    return 4 * x.numel() * 4 / timer.seconds(copies, reps)
+
+
 def _conv_rate(torch, device, dims: int, channels: int, edge: int, dtype, timer, reps: int) -> float:
     """FLOP/s of one convolution's forward and backward (input and weight gradients: 3x the forward)."""
     conv = (torch.nn.Conv3d if dims == 3 else torch.nn.Conv2d)(channels, channels, 3, padding=1, bias=False)
@@ -126,8 +145,6 @@ def measure_profile(device: str = "cuda", smoke: bool = False, name: str | None 
     except ImportError as err:
         raise ValueError("keras-lms calibrate measures with torch: pip install torch (a CUDA build on the GPU "
                          "machine), then run it again.") from err
-    from keras_lms.planning.device_profile import DeviceProfile
-
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("torch sees no CUDA device to calibrate. Run it on the GPU machine, or pass --smoke "
@@ -135,14 +152,33 @@ def measure_profile(device: str = "cuda", smoke: bool = False, name: str | None 
     if dev.type != "cuda" and not smoke:
         raise ValueError(f"keras-lms calibrate measures a GPU; device {device!r} is not one. Pass --device cuda:N, or "
                          "--smoke for a CPU run of the measuring code.")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+    saved = _torch_settings(torch)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+        return _measure(torch, dev, smoke, name)
+    finally:
+        _restore_torch_settings(torch, saved)
+
+
+def _torch_settings(torch) -> tuple:
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+
+
+def _restore_torch_settings(torch, saved: tuple) -> None:
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark) = saved
+
+
+def _measure(torch, dev, smoke: bool, name: str | None):
+    from keras_lms.planning.device_profile import DeviceProfile
+
     timer = _Timer(torch, dev)
     reps = 2 if smoke else 5
     link_bytes, edge3, edge2 = (4 << 20, 8, 16) if smoke else (512 << 20, 96, 512)
     copies = _copies(torch, dev, link_bytes, timer, reps)
     elementwise = _elementwise(torch, dev, link_bytes, timer, reps)
+    layout = _layout_copies(torch, dev, link_bytes, timer, reps)
     conv = {}
     dtypes = {"float32": torch.float32} if smoke else {"float32": torch.float32, "float16": torch.float16}
     for label, dtype in dtypes.items():
@@ -157,8 +193,15 @@ def measure_profile(device: str = "cuda", smoke: bool = False, name: str | None 
     detail = "; ".join(f"{label} {k} {v / 1e12:.1f} TFLOP/s" for label, rates in conv.items() for k, v in rates.items())
     sources = {f: measured for f in ("host_to_device_bytes_per_second", "device_to_host_bytes_per_second",
                                      "host_to_device_concurrent_bytes_per_second",
-                                     "device_to_host_concurrent_bytes_per_second", "elementwise_bytes_per_second")}
+                                     "device_to_host_concurrent_bytes_per_second", "elementwise_bytes_per_second",
+                                     "layout_copy_bytes_per_second")}
     sources["flops_per_second"] = f"{measured}: median of the Conv3D rates at 16-64 channels ({detail})"
+    by_channels = {label: {str(c): rates[f"conv3d_{c}"] for c in CONV3D_CHANNELS} for label, rates in conv.items()}
+    if "float16" in by_channels:
+        by_channels["bfloat16"] = dict(by_channels["float16"])
+    sources["convolution_flops_per_second"] = (f"{measured}: Conv3D forward + backward, {edge3}^3 voxels, "
+                                               "c -> c channels, by c" + ("; bfloat16 taken as float16"
+                                                                          if "bfloat16" in by_channels else ""))
     if "bfloat16" in flops:
         sources["flops_per_second"] += "; bfloat16 taken as float16"
     memory = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
@@ -170,4 +213,5 @@ def measure_profile(device: str = "cuda", smoke: bool = False, name: str | None 
         device_to_host_bytes_per_second=copies["device_to_host"],
         host_to_device_concurrent_bytes_per_second=copies["host_to_device_concurrent"],
         device_to_host_concurrent_bytes_per_second=copies["device_to_host_concurrent"],
-        memory_bytes=memory, sources=sources)
+        memory_bytes=memory, sources=sources, convolution_flops_per_second=by_channels,
+        layout_copy_bytes_per_second=layout)

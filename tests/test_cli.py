@@ -116,8 +116,19 @@ def test_cli_calibrate_smoke_writes_a_profile_report_reads(tmp_path, saved_model
     measured = load_profile(str(path))
     assert measured.name == "smoke-cpu" and measured.host_to_device_bytes_per_second > 0
     assert "measured by keras-lms calibrate" in measured.sources["flops_per_second"]
+    # the convolution rate per channel count and the layout-copy rate, each with its source
+    assert sorted(measured.convolution_flops_per_second["float32"], key=int) == ["16", "32", "64"]
+    assert measured.layout_copy_bytes_per_second > 0 and "layout_copy_bytes_per_second" in measured.sources
     assert cli.main(["report", str(saved_model), "--batch-size", "2", "--profile", str(path)]) == 0
     assert "predicted step time (ms) on smoke-cpu" in capsys.readouterr().out
+    # calibrating leaves the process's torch settings as they were (it switches on TF32 and cuDNN's autotuner)
+    import torch
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    assert before != (True, True, True), "the control: calibrate must have something to change"
+    cli.main(["calibrate", "--smoke", "--device", "cpu", "--out", str(path)])
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark) == before
     # without --smoke a CPU is refused: calibrate measures a GPU
     assert cli.main(["calibrate", "--device", "cpu", "--out", str(path)]) == 2
     assert "is not one" in capsys.readouterr().err

@@ -13,7 +13,19 @@ plans with it).
 
 from __future__ import annotations
 
+import typing
+
 from keras_lms.planning import layer_facts
+
+
+class EagerBytes(typing.NamedTuple):
+    """A call's memory-bound bytes (read plus written) per pass, as a back end's unfused kernels move them:
+    element-wise and reduction work at the profile's HBM rate, strided layout copies at its layout-copy rate."""
+
+    forward_bytes: float
+    backward_bytes: float
+    forward_layout_bytes: float = 0.0
+    backward_layout_bytes: float = 0.0
 
 
 class BackendFacts:
@@ -35,6 +47,8 @@ class BackendFacts:
             autograd engine's input buffer, and a weight's gradient exists only from its layer's backward on.
         plain_model_keeps_layer_outputs: without keras-lms, Keras' functional model keeps every layer output
             until its forward pass returns.
+        shared_copy_stream: the offload queues copies in both directions on one stream, so they run one at a
+            time in issue order (the step-time model's link then has one engine, not one per direction).
     """
 
     output_gradient_activations: frozenset = frozenset()
@@ -45,6 +59,14 @@ class BackendFacts:
     concatenate_gradient_is_view: bool = False
     gradients_wait_between_readers: bool = False
     plain_model_keeps_layer_outputs: bool = False
+    shared_copy_stream: bool = False
+
+    # ------------------------------------------------------- what the step's kernels move
+    def eager_bytes(self, call, input_bytes: int, output_bytes: int):
+        """The memory-bound bytes of ``call``'s forward and backward as this framework's kernels move them
+        (``EagerBytes``), or None for the generic count of ``planning.call_costs`` (one read of each input and
+        one write of each output per pass: what a fusing compiler such as XLA or grappler comes close to)."""
+        return None
 
     # ------------------------------------------------------- what a gradient reads
     def output_gradient_activation(self, unit) -> str | None:

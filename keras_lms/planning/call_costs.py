@@ -24,8 +24,14 @@ class CallCost:
     Attributes:
         forward_flops / input_gradient_flops / weight_gradient_flops: multiply-adds x 2 of the kernels.
         forward_bytes / backward_bytes: bytes memory-bound work reads plus writes (0 for kernels, whose
-            bytes hide under their FLOPs).
+            bytes hide under their FLOPs, unless the back end counts a bias, a fused activation or its eager
+            kernels: ``BackendFacts.eager_bytes``).
+        forward_layout_bytes / backward_layout_bytes: bytes of strided layout copies around the call (Keras on
+            torch copies a channels-last convolution's input to channels-first and back), which run at the
+            profile's ``layout_copy_bytes_per_second``.
         dtype: the dtype the kernels compute in (the layer's compute dtype: float16 under mixed_float16).
+        channels: a convolution's larger channel count (input or output), which its achieved rate depends on
+            (``DeviceProfile.flops_rate``); 0 for other calls.
     """
 
     forward_flops: float = 0.0
@@ -34,6 +40,9 @@ class CallCost:
     forward_bytes: float = 0.0
     backward_bytes: float = 0.0
     dtype: str = "float32"
+    channels: int = 0
+    forward_layout_bytes: float = 0.0
+    backward_layout_bytes: float = 0.0
 
     @property
     def backward_flops(self) -> float:
@@ -83,17 +92,30 @@ def kernel_flops(unit, call, batch_size: int = 1) -> float:
     return 2.0 * _positions(y, batch_size) * window * (c_in // groups) * c_out
 
 
-def call_cost(call, batch_size: int = 1) -> CallCost:
-    """The cost of one traced call (``planning.RawCall``) at ``batch_size``."""
+def convolution_channels(unit, call) -> int:
+    """The larger of a convolution's input and output channel counts; 0 for other calls."""
+    if not layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS) or not call.shapes or not call.output_shapes:
+        return 0
+    axis = 1 if getattr(unit, "data_format", "channels_last") == "channels_first" else -1
+    return int(max(call.shapes[0][axis] or 1, call.output_shapes[0][axis] or 1))
+
+
+def call_cost(call, batch_size: int = 1, facts=None) -> CallCost:
+    """The cost of one traced call (``planning.RawCall``) at ``batch_size``; with ``facts`` (the back end's
+    ``BackendFacts``), memory-bound bytes as that framework's eager kernels move them where it counts them."""
     unit = call.unit
     dtype = _compute_dtype(unit, call)
     flops = kernel_flops(unit, call, batch_size)
+    size_in = sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes))
+    size_out = sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes))
+    eager = facts.eager_bytes(call, size_in, size_out) if facts is not None else None
     if flops:
         # the first call of a model needs no input gradient, but frameworks compute it unless the input is
         # not differentiable; keep the usual 2x for the backward
-        return CallCost(flops, flops, flops, 0.0, 0.0, dtype)
-    size_in = sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes))
-    size_out = sum(tensor_bytes(s, d, batch_size) for s, d in zip(call.output_shapes, call.output_dtypes))
+        cost = CallCost(flops, flops, flops, 0.0, 0.0, dtype, convolution_channels(unit, call))
+        return dataclasses.replace(cost, **eager._asdict()) if eager is not None else cost
+    if eager is not None:
+        return CallCost(dtype=dtype, **eager._asdict())
     if layer_facts.is_keras_class(unit, layer_facts.NORMALIZATION_LAYERS):
         # statistics pass + normalise pass over the input, then the output; the backward reads x and dy twice
         # (the reductions, then the input gradient) and writes dx

@@ -35,6 +35,14 @@ class DeviceProfile:
         description: what machine it describes.
         flops_per_second: achieved rate of convolutions and matmuls per compute dtype (`"float32"` means
             TF32 tensor cores where the framework uses them).
+        convolution_flops_per_second: optional, per compute dtype, the convolution rate by channel count
+            (`{"float32": {"16": 21.5e12, "32": 54.3e12, "64": 119.7e12}}`): small channel counts run far below
+            a GPU's peak (an H200 ran Conv3D at 16 channels 5.6x slower than at 64). A convolution is charged at
+            the rate of its larger channel count, interpolated log-log between the measured counts and held
+            at the ends; without a table (or for its missing dtypes) at `flops_per_second`.
+        layout_copy_bytes_per_second: optional, bytes read plus written per second by strided layout copies
+            (Keras on torch copies a channels-last convolution's input to channels-first and back); 0 means
+            the element-wise rate. Such copies ran at ~1 TB/s on an H200 whose element-wise rate is 3.75.
         elementwise_bytes_per_second: bytes read plus written per second by memory-bound kernels
             (normalisation, activations, pooling, additions, concatenations).
         host_to_device_bytes_per_second / device_to_host_bytes_per_second: pinned copies over the host link,
@@ -71,9 +79,20 @@ class DeviceProfile:
     device_to_host_concurrent_bytes_per_second: float
     memory_bytes: int = 0
     sources: dict = dataclasses.field(default_factory=dict)
+    convolution_flops_per_second: dict = dataclasses.field(default_factory=dict)
+    layout_copy_bytes_per_second: float = 0.0
 
     def __post_init__(self):
         problems = []
+        if not isinstance(self.convolution_flops_per_second, dict):
+            problems.append("convolution_flops_per_second must map compute dtypes to {channels: FLOP/s}")
+        else:
+            for dtype, table in self.convolution_flops_per_second.items():
+                if (dtype not in COMPUTE_DTYPES or not isinstance(table, dict) or not table
+                        or not all(_channel_count(c) and _positive(r) for c, r in table.items())):
+                    problems.append(f"convolution_flops_per_second[{dtype!r}] = {table!r} (dtypes: "
+                                    f"{', '.join(COMPUTE_DTYPES)}; a non-empty {{channels: FLOP/s}} table with "
+                                    "positive integer channel counts and positive rates)")
         if not isinstance(self.flops_per_second, dict) or "float32" not in self.flops_per_second:
             problems.append("flops_per_second must map compute dtypes to FLOP/s and give at least 'float32'")
         else:
@@ -81,6 +100,9 @@ class DeviceProfile:
                 if dtype not in COMPUTE_DTYPES or not _positive(rate):
                     problems.append(f"flops_per_second[{dtype!r}] = {rate!r} (dtypes: {', '.join(COMPUTE_DTYPES)}; "
                                     "rates: positive numbers)")
+        if self.layout_copy_bytes_per_second != 0 and not _positive(self.layout_copy_bytes_per_second):
+            problems.append(f"layout_copy_bytes_per_second = {self.layout_copy_bytes_per_second!r} is not a positive "
+                            "number (or 0: the element-wise rate)")
         for field in RATE_FIELDS:
             if not _positive(getattr(self, field)):
                 problems.append(f"{field} = {getattr(self, field)!r} is not a positive number")
@@ -88,9 +110,24 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r} is not valid: " + "; ".join(problems) + ". Fix the "
                              "profile file, or measure one with `keras-lms calibrate --out profile.json`.")
 
-    def flops_rate(self, dtype: str) -> float:
-        """FLOP/s for convolutions and matmuls computed in `dtype` (float32 for other dtypes)."""
-        return float(self.flops_per_second.get(dtype, self.flops_per_second["float32"]))
+    def flops_rate(self, dtype: str, channels: int = 0) -> float:
+        """FLOP/s for convolutions and matmuls computed in `dtype` (float32 for other dtypes); with `channels`
+        (a convolution's larger channel count) from `convolution_flops_per_second` where it has `dtype`."""
+        table = self.convolution_flops_per_second.get(dtype) if channels else None
+        if not table:
+            return float(self.flops_per_second.get(dtype, self.flops_per_second["float32"]))
+        points = sorted((int(c), float(r)) for c, r in table.items())
+        if channels <= points[0][0]:
+            return points[0][1]
+        for (c0, r0), (c1, r1) in zip(points, points[1:]):
+            if channels <= c1:  # log-log between the two measured channel counts
+                f = math.log(channels / c0) / math.log(c1 / c0)
+                return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+        return points[-1][1]
+
+    def layout_copy_rate(self) -> float:
+        """Bytes/s of strided layout copies: `layout_copy_bytes_per_second`, or the element-wise rate."""
+        return float(self.layout_copy_bytes_per_second or self.elementwise_bytes_per_second)
 
     def to_dict(self) -> dict:
         """The profile's fields, as `save` writes them."""
@@ -112,6 +149,13 @@ class DeviceProfile:
 def _positive(value) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
+
+
+def _channel_count(value) -> bool:
+    try:
+        return int(value) > 0 and str(int(value)) == str(value).strip()
+    except (TypeError, ValueError):
+        return False
 
 
 def builtin_profiles() -> list:

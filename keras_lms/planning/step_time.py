@@ -4,13 +4,18 @@ The compute stream runs the forward calls, then their backward in reverse, each 
 profile (kernel FLOPs at the dtype's rate, memory-bound bytes at HBM bandwidth), plus what the plan makes it
 recompute (``BackendFacts.recomputes_offloaded_output``, the halos of slab-computed calls and the windows of tensors
 recomputed instead of copied, ``planning.recompute``). The host link has
-one copy engine per direction, each working through its copies in the order they are issued, at the profile's
-solo rate, or at its concurrent rate while the other direction is busy too:
+one copy engine per direction (TensorFlow's device-to-host and host-to-device streams), or one for both where the
+back end queues every copy on one stream (torch's copy stream: ``BackendFacts.shared_copy_stream``), each working
+through its copies in the order they are issued, at the profile's solo rate, or at its concurrent rate while the
+other direction is busy too:
 
 - a copy out is issued when its forward call starts, and nothing waits for it (the device copy is freed later);
 - a copy back is issued when its trigger's backward starts (``prefetch`` calls later in forward order, as the
   back ends schedule it) and the backward that reads it waits until it has arrived; a slab-computed call's
-  windows arrive piece by piece, and each piece of its compute waits only for its own window.
+  windows arrive piece by piece, and each piece of its compute waits only for its own window;
+- a copy back starts only once the copies out of what it reads have finished (``LinkTraffic.backward_after``):
+  the last tensors the forward copies out are the first the backward reads, so a link slower than the forward
+  delays the whole backward, and the two directions rarely overlap (measured on an H200: they never did).
 
 What the compute stream spends waiting is the *exposed* copy time; the step is compute + recompute + exposed.
 This is a model, not a measurement: no kernel launch overheads, no allocator stalls, the copy engines never
@@ -60,40 +65,49 @@ class StepTime:
 
 
 class _Link:
-    """Two copy engines (host -> device, device -> host), FIFO each, with rates that drop when both are busy."""
+    """The host link's copy engines, FIFO each, with rates that drop when both directions copy at once.
 
-    def __init__(self, profile):
+    Two engines (host -> device, device -> host), or one that carries both directions in turn where the back end
+    queues every copy on one stream (``BackendFacts.shared_copy_stream``: torch). A copy back waits for the
+    copies out of what it reads (``after``): a host copy exists only once it has gone out, and a copy waiting at
+    the head of its engine holds up the copies queued behind it, as a waiting stream does.
+    """
+
+    def __init__(self, profile, shared: bool = False):
         self.rate = {("in", False): profile.host_to_device_bytes_per_second,
                      ("in", True): profile.host_to_device_concurrent_bytes_per_second,
                      ("out", False): profile.device_to_host_bytes_per_second,
                      ("out", True): profile.device_to_host_concurrent_bytes_per_second}
-        self.queues = {"in": collections.deque(), "out": collections.deque()}
+        self.shared = shared
+        self.queues = {"both": collections.deque()} if shared else {"in": collections.deque(),
+                                                                     "out": collections.deque()}
         self.busy = {"in": 0.0, "out": 0.0}
         self.done = {}
         self.now = 0.0
 
-    def issue(self, direction: str, nbytes: float, ident) -> None:
+    def issue(self, direction: str, nbytes: float, ident, after=()) -> None:
         if nbytes <= 0:
             self.done[ident] = self.now
             return
-        self.queues[direction].append([float(nbytes), ident])
+        self.queues["both" if self.shared else direction].append([float(nbytes), ident, direction, tuple(after)])
 
     def _step(self, until: float) -> bool:
-        """Advance to the next completion or to ``until``; False when both engines are idle."""
-        active = [d for d, q in self.queues.items() if q]
-        if not active:
+        """Advance to the next completion or to ``until``; False when no copy can make progress."""
+        heads = [q[0] for q in self.queues.values() if q]
+        running = [h for h in heads if all(a in self.done for a in h[3])]
+        if not running:
+            if heads and math.isinf(until):
+                return False  # waiting for a copy that was never issued
             self.now = max(self.now, until)
             return False
-        both = len(active) == 2
-        rates = {d: self.rate[(d, both)] for d in active}
-        dt = min(self.queues[d][0][0] / rates[d] for d in active)
-        dt = min(dt, until - self.now)
-        for d in active:
-            head = self.queues[d][0]
-            head[0] -= rates[d] * dt
-            self.busy[d] += dt
+        both = len({h[2] for h in running}) == 2
+        rates = [self.rate[(h[2], both)] for h in running]
+        dt = min(min(h[0] / r for h, r in zip(running, rates)), until - self.now)
+        for head, rate in zip(running, rates):
+            head[0] -= rate * dt
+            self.busy[head[2]] += dt
             if head[0] <= 1.0:  # within a byte: done (float rounding)
-                self.queues[d].popleft()
+                self.queues["both" if self.shared else head[2]].popleft()
                 self.done[head[1]] = self.now + dt
         self.now += dt
         return True
@@ -105,16 +119,18 @@ class _Link:
     def completion(self, ident) -> float:
         while ident not in self.done:
             if not self._step(math.inf):
-                raise RuntimeError(f"copy {ident!r} was never issued")  # a bug in the caller's schedule
+                raise RuntimeError(f"copy {ident!r} was never issued, or waits for one that was not")  # a bug
         return self.done[ident]
 
 
 def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> float:
     if backward:
-        return (cost.backward_flops * flops_factor / profile.flops_rate(cost.dtype)
-                + cost.backward_bytes / profile.elementwise_bytes_per_second)
-    return (cost.forward_flops * flops_factor / profile.flops_rate(cost.dtype)
-            + cost.forward_bytes / profile.elementwise_bytes_per_second)
+        return (cost.backward_flops * flops_factor / profile.flops_rate(cost.dtype, cost.channels)
+                + cost.backward_bytes / profile.elementwise_bytes_per_second
+                + cost.backward_layout_bytes / profile.layout_copy_rate())
+    return (cost.forward_flops * flops_factor / profile.flops_rate(cost.dtype, cost.channels)
+            + cost.forward_bytes / profile.elementwise_bytes_per_second
+            + cost.forward_layout_bytes / profile.layout_copy_rate())
 
 
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
@@ -123,7 +139,7 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
     the calls whose outputs are recomputed instead of copied) on ``profile`` (a ``DeviceProfile``); with no
     input offloaded it is the plain step. See the module docstring."""
     n = len(calls)
-    costs = [call_cost(call, batch_size) for call in calls]
+    costs = [call_cost(call, batch_size, facts) for call in calls]
     traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed)
 
     def window_recompute(flops_and_bytes, dtype):
@@ -132,15 +148,16 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
 
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
-    link = _Link(profile)
+    link = _Link(profile, facts.shared_copy_stream)
     plain = recompute = flops = extra_flops = 0.0
     pending = {}  # call index -> its backward's copy-back pieces, once issued
 
     def issue_backward(i):
         k = traffic.backward_pieces[i]
         pending[i] = [("bwd", i, j) for j in range(k)]
+        after = [("out", j) for j in traffic.backward_after[i]]
         for ident in pending[i]:
-            link.issue("in", traffic.backward_in_bytes[i] / k, ident)
+            link.issue("in", traffic.backward_in_bytes[i] / k, ident, after)
 
     triggered = {}
     for c in range(n):
@@ -159,8 +176,9 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         flops += cost.forward_flops
         extra_flops += (cost.forward_flops * (factor - 1) if i not in elided else 0.0) + redo_flops
         k = traffic.backward_pieces[i] if traffic.forward_in_bytes[i] else 1
+        after = [("out", j) for j in traffic.forward_after[i]]
         for j in range(k):
-            link.issue("in", traffic.forward_in_bytes[i] / k, ("fwd", i, j))
+            link.issue("in", traffic.forward_in_bytes[i] / k, ("fwd", i, j), after)
         for j in range(k):
             t = max(t, link.completion(("fwd", i, j)))
             link.advance_to(t)
@@ -211,5 +229,6 @@ def _recompute_seconds(cost, call, facts, profile, lean_normalization: bool) -> 
     if not recomputes_forward(call, facts, lean_normalization):
         return 0.0
     if layer_facts.is_keras_class(call.unit, layer_facts.KERNEL_LAYERS):
-        return cost.forward_flops / profile.flops_rate(cost.dtype)
+        return (cost.forward_flops / profile.flops_rate(cost.dtype, cost.channels)
+                + cost.forward_layout_bytes / profile.layout_copy_rate())
     return cost.forward_bytes / profile.elementwise_bytes_per_second

@@ -41,6 +41,8 @@ class LinkTraffic:
         backward_pieces: how many pieces call i's backward reads them in (its slab count; 1 when whole).
         forward_recompute / backward_recompute: ``(kernel FLOPs, memory-bound bytes)`` call i's forward and
             backward spend recomputing windows of tensors that were not copied (``planning.recompute``).
+        forward_after / backward_after: the calls whose copies out call i's forward / backward copies back read
+            (a host copy can come back only once it has gone out: the step-time model waits for them).
     """
 
     out_bytes: list
@@ -49,6 +51,8 @@ class LinkTraffic:
     backward_pieces: list
     forward_recompute: list = dataclasses.field(default_factory=list)
     backward_recompute: list = dataclasses.field(default_factory=list)
+    forward_after: list = dataclasses.field(default_factory=list)
+    backward_after: list = dataclasses.field(default_factory=list)
 
     @property
     def device_to_host_bytes(self) -> int:
@@ -98,6 +102,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     sizes = {}
     whole_reads = {}  # (call, key) -> bytes the call's backward brings back whole
     shared = []  # recompute sources read whole, whose inputs their shared_reader takes from the recompute
+    reads_of = {"fwd": [set() for _ in range(n)], "bwd": [set() for _ in range(n)]}  # host copies each reads
 
     def window_read(i, key, size, rows, windows, length, kind):
         """A read of windows of ``key`` by call i: from its host copy, or expanded where it is recomputed."""
@@ -106,6 +111,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
             first_offload.setdefault(leaf, i)
             sizes[leaf] = leaf_size
             read.add(leaf)
+            reads_of[kind][i].add(leaf)
             (fwd_in if kind == "fwd" else bwd_in)[i] += int(nbytes)
         work[kind][i][0] += expanded.flops
         work[kind][i][1] += expanded.elementwise_bytes
@@ -139,6 +145,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
             sizes[key] = size
             if reads_inputs:
                 read.add(key)
+                reads_of["bwd"][i].add(key)
                 bwd_in[i] += size
                 whole_reads[(i, key)] = size
                 whole_reader.setdefault(key, i)
@@ -156,6 +163,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 window_read(i, key, size, slabs[i].length, slabs[i].count, slabs[i].length, "bwd")
             elif key not in whole_reader:
                 read.add(key)
+                reads_of["bwd"][i].add(key)
                 sizes.setdefault(key, size)
                 bwd_in[i] += size  # brings the output back itself
     for source in shared:  # (torch) the recompute's copy back stays on the device for the input's own reader
@@ -164,5 +172,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 bwd_in[source.shared_reader] -= whole_reads.pop((source.shared_reader, key), 0)
     for key in read:
         out[first_offload[key]] += sizes[key]
+    after = {kind: [tuple(sorted({first_offload[key] for key in keys})) for keys in per_call]
+             for kind, per_call in reads_of.items()}
     return LinkTraffic(out, fwd_in, bwd_in, pieces, [tuple(w) for w in work["fwd"]],
-                       [tuple(w) for w in work["bwd"]])
+                       [tuple(w) for w in work["bwd"]], after["fwd"], after["bwd"])

@@ -12,7 +12,7 @@ import pytest
 from keras_lms.planning import BackendFacts
 from keras_lms.planning.call_costs import call_cost, kernel_flops
 from keras_lms.planning.device_profile import DeviceProfile, builtin_profiles, load_profile
-from keras_lms.planning.step_time import predict_step_time
+from keras_lms.planning.step_time import _Link, predict_step_time
 from keras_lms.planning.traffic import link_traffic
 from tests.planning.calls import raw_call
 
@@ -144,12 +144,92 @@ def test_both_directions_busy_use_the_concurrent_rates():
     assert a.host_to_device_seconds == pytest.approx(a.host_to_device_bytes / 1e9, rel=1e-6)
 
 
+def test_a_copy_back_waits_for_its_copy_out():
+    # One tensor x goes out in the first call's forward; the backward that reads it brings it back. With a slow
+    # device-to-host link, the copy back cannot start before x is on the host: the step is at least the copy
+    # out plus the copy back, however early the prefetch asks for it.
+    calls = [conv3d_call("x", "c1", c_in=4, c_out=4), conv3d_call("c1", "y", c_in=4, c_out=4)]
+    offloaded = [[True], [False]]
+    traffic = link_traffic(calls, offloaded, FACTS)
+    assert traffic.backward_after == [(0,), ()]  # call 0's copy back reads what call 0 copied out
+    size = traffic.out_bytes[0]
+    slow_out = profile(device_to_host_bytes_per_second=1e6, device_to_host_concurrent_bytes_per_second=1e6,
+                       host_to_device_bytes_per_second=1e9, host_to_device_concurrent_bytes_per_second=1e9)
+    t = predict_step_time(calls, offloaded, FACTS, slow_out, prefetch=1)
+    assert t.step_seconds >= size / 1e6 + size / 1e9
+
+
+def test_the_link_orders_copies_by_their_dependencies_and_streams():
+    rates = profile(host_to_device_concurrent_bytes_per_second=1e9, device_to_host_concurrent_bytes_per_second=1e9)
+    # a copy back that reads a copy out starts when it ends; the control: an independent one starts at once
+    link = _Link(rates)
+    link.issue("out", 1e9, "a")
+    link.issue("in", 1e9, "a back", after=["a"])
+    assert link.completion("a back") == pytest.approx(2.0)
+    link = _Link(rates)
+    link.issue("out", 1e9, "a")
+    link.issue("in", 1e9, "b back")
+    assert link.completion("b back") == pytest.approx(1.0)
+    # one stream for both directions (torch): the independent copy waits its turn
+    link = _Link(rates, shared=True)
+    link.issue("out", 1e9, "a")
+    link.issue("in", 1e9, "b back")
+    assert link.completion("b back") == pytest.approx(2.0)
+    assert link.busy == {"in": pytest.approx(1.0), "out": pytest.approx(1.0)}
+    # a copy waiting for one never issued is a bug in the schedule, reported as such
+    link = _Link(rates)
+    link.issue("in", 1e9, "orphan", after=["never"])
+    with pytest.raises(RuntimeError, match="never issued"):
+        link.completion("orphan")
+
+
+def test_convolution_rates_by_channel_count():
+    table = profile(convolution_flops_per_second={"float32": {"16": 2e12, "64": 8e12}})
+    assert table.flops_rate("float32") == 1e12  # no channel count: the flat rate
+    assert table.flops_rate("float32", 8) == 2e12 and table.flops_rate("float32", 128) == 8e12  # held at the ends
+    assert table.flops_rate("float32", 32) == pytest.approx(4e12)  # log-log between 16 and 64
+    assert table.flops_rate("float16", 32) == 1e12  # no table for the dtype: the flat float32 rate
+    wide = conv3d_call("x", "y", c_in=4, c_out=16)
+    cost = call_cost(wide)
+    assert cost.channels == 16  # the larger of the two
+    slow = profile(convolution_flops_per_second={"float32": {"16": 0.5e12}})
+    flat = predict_step_time([wide], [[False]], FACTS, profile()).compute_seconds
+    assert predict_step_time([wide], [[False]], FACTS, slow).compute_seconds == pytest.approx(2 * flat)
+    with pytest.raises(ValueError, match="convolution_flops_per_second"):
+        profile(convolution_flops_per_second={"float32": {"sixteen": 1e12}})
+    with pytest.raises(ValueError, match="convolution_flops_per_second"):
+        profile(convolution_flops_per_second={"float32": {}})
+
+
+class LayoutCopyingFacts(BackendFacts):
+    def eager_bytes(self, call, input_bytes, output_bytes):
+        from keras_lms.planning.backend_facts import EagerBytes
+
+        return EagerBytes(0, 0, 4 * input_bytes, 2 * input_bytes)
+
+
+def test_layout_copies_run_at_their_own_rate():
+    conv = conv3d_call("x", "y", c_in=4, c_out=4)
+    x = call_cost(conv).forward_flops / (2 * 27 * 4)  # input elements
+    copying = call_cost(conv, facts=LayoutCopyingFacts())
+    assert copying.forward_layout_bytes == 4 * 4 * x and copying.forward_flops == call_cost(conv).forward_flops
+    base = predict_step_time([conv], [[False]], FACTS, profile()).compute_seconds
+    at_elementwise = predict_step_time([conv], [[False]], LayoutCopyingFacts(), profile()).compute_seconds
+    assert at_elementwise == pytest.approx(base + 6 * 4 * x / 1e12)  # 0: the element-wise rate
+    slow = profile(layout_copy_bytes_per_second=0.25e12)
+    assert (predict_step_time([conv], [[False]], LayoutCopyingFacts(), slow).compute_seconds
+            == pytest.approx(base + 6 * 4 * x / 0.25e12))
+    with pytest.raises(ValueError, match="layout_copy_bytes_per_second"):
+        profile(layout_copy_bytes_per_second=-1.0)
+
+
 # ---------------------------------------------------------------------------------------------- profiles
 def test_builtin_profiles_load_and_name_a_source_for_every_number():
     assert {"a100-pcie4", "h100-pcie5", "h200-pcie5", "gh200"} <= set(builtin_profiles())
     for name in builtin_profiles():
         p = load_profile(name)
-        numbers = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name", "description", "sources"}
+        numbers = {f.name for f in dataclasses.fields(DeviceProfile) if getattr(p, f.name) not in ({}, None, 0, 0.0)}
+        numbers -= {"name", "description", "sources"}
         assert numbers <= set(p.sources), (name, numbers - set(p.sources))
     h100 = load_profile("h100-pcie5")  # issue 26's acceptance profile
     assert (h100.host_to_device_bytes_per_second, h100.device_to_host_bytes_per_second) == (35e9, 50e9)

@@ -21,6 +21,14 @@ the U-Nets there, plain and wrapped):
   after its last use);
 * Keras' optimizers update all variables at once with ``torch._foreach_*`` ops: Adam-like updates hold three
   trainable-weight-sized temporaries (SGD none).
+
+And for the step-time model, what torch's eager kernels move (``eager_bytes``; counted with a dispatch mode over
+one training step of each layer, tests/offload/torch/test_eager_bytes.py, Keras 3.15 on torch 2.x): nothing is
+fused, so Keras' BatchNormalization runs ~10 element-wise passes over its input forward and ~27 backward, Dropout
+draws and scales its mask in three kernels, and a channels-last convolution or pooling copies its input to
+channels-first and back (two strided copies; cuDNN then writes the input gradient in the input's layout, where the
+CPU's 3D kernels copy it once more). On an H200 these strided copies took 22 of a plain 3D U-Net step's 100 ms, and
+the element-wise passes 20 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import numpy as np
 
 from keras_lms.offload.torch import recompute_candidates
 from keras_lms.planning import BackendFacts, layer_facts
+from keras_lms.planning.backend_facts import EagerBytes
 from keras_lms.planning.memory_model import variable_bytes
 
 # The lean normalisation's slabs (lean_norm.py reads them here): its float32 temporaries are one slab of
@@ -94,6 +103,40 @@ def kernel_copy_bytes(unit) -> int:
     return int(np.prod(kernel.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+# Bytes read plus written per pass, in units of the call's input bytes ``x`` and output bytes ``y`` (the census of
+# tests/offload/torch/test_eager_bytes.py: each is what Keras 3.15's torch ops launch for one layer call).
+BATCH_NORM_PASSES = (10, 27)  # forward (moments, normalise, a copy of x), backward (autograd of those ops)
+DROPOUT_PASSES = (5, 3)  # bernoulli_ -> div_ -> mul; the backward multiplies by the mask
+CHANNELS_LAST_COPIES = 2  # a conv's / pooling's input, permuted to channels-first, made contiguous, then back
+
+
+def eager_bytes(call, x: int, y: int):
+    """``TorchFacts.eager_bytes``: the bytes Keras' torch ops move for one call, or None for the generic count."""
+    unit = call.unit
+    if layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS):
+        spatial = len(call.shapes[0]) >= 4 and getattr(unit, "data_format", "channels_last") == "channels_last"
+        kernel = 2 * kernel_copy_bytes(unit)  # read and written
+        channels = call.shapes[0][-1] or 1
+        copies = 1 if "Transpose" in type(unit).__name__ else CHANNELS_LAST_COPIES
+        forward_layout = (2 * copies * x if spatial and channels > 1 else 0) + kernel
+        backward_layout = kernel  # cuDNN writes the input gradient channels-last, as the input (the CPU does not)
+        bias = getattr(unit, "use_bias", False)
+        activation = getattr(unit, "activation", None)
+        activated = activation is not None and getattr(activation, "__name__", "") != "linear"
+        forward = (2 * y if bias else 0) + (2 * y if activated else 0)
+        backward = (y if bias else 0) + (3 * y if activated else 0)
+        return EagerBytes(forward, backward, forward_layout, backward_layout)
+    if type(unit) is keras.layers.BatchNormalization:  # Keras' own call (a subclass may compute otherwise)
+        return EagerBytes(BATCH_NORM_PASSES[0] * x, BATCH_NORM_PASSES[1] * x)
+    if layer_facts.is_keras_class(unit, layer_facts.MAX_POOLING_LAYERS):
+        # read x, write y and int64 indices (2 y); backward: read dy and indices, write dx (zeroed, then scattered)
+        layout = 2 * x if len(call.shapes[0]) >= 4 else 0
+        return EagerBytes(x + 3 * y, 2 * x + 3 * y, layout, layout)
+    if type(unit) is keras.layers.Dropout:
+        return EagerBytes(DROPOUT_PASSES[0] * x, DROPOUT_PASSES[1] * x)
+    return None
+
+
 class TorchFacts(BackendFacts):
     """The torch back end's memory facts (see the module docstring)."""
 
@@ -103,6 +146,10 @@ class TorchFacts(BackendFacts):
     concatenate_gradient_is_view = True
     gradients_wait_between_readers = True
     plain_model_keeps_layer_outputs = True
+    shared_copy_stream = True  # transfer.Transfer: one copy stream per device, both directions
+
+    def eager_bytes(self, call, input_bytes: int, output_bytes: int):
+        return eager_bytes(call, input_bytes, output_bytes)
 
     def backward_temporaries(self, unit, recomputed: bool = False, lean: bool = False) -> int:
         # A convolution's channels-first input gradient is copied to channels-last: one more, except in the
