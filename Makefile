@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.keras-lms-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install test test-torch test-jax test-fast test-horovod test-jax-compile jax-compile-env lint docs bench demo horovod clean-venv
+.PHONY: install test test-tensorflow test-torch test-jax test-fast test-horovod test-jax-compile jax-compile-env lint docs bench demo horovod clean-venv
 
 install: $(STAMP) $(HVD_STAMP)
 
@@ -32,11 +32,16 @@ horovod: $(HVD_STAMP)
 # graph inspection), `torch` (tests/offload/torch/) or `jax` (tests/offload/jax/) only under theirs and are skipped,
 # with the reason, under the others. The JAX run is on the CPU (JAX_PLATFORMS=cpu: no CUDA plugin is looked for);
 # its tests of the compiled GPU program skip here and run in `make test-jax-compile`.
-# The torch and JAX runs share the machine (`-j2`; each run's output is printed whole when it ends: `-O`; no
-# shared .pytest_cache between them).
+# The TensorFlow run (all but the multi-process Horovod jobs), the torch run and the JAX run share the machine
+# (`-j3`; each run's output is printed whole when it ends: `-O`; no shared .pytest_cache between them). Then the
+# Horovod jobs (marker `horovod`: several ranks, elastic timeouts of a second) run alone: they time their ranks,
+# and a loaded machine makes those timeouts fire.
 test: install
-	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
-	$(MAKE) --no-print-directory -j2 -O test-torch test-jax
+	$(MAKE) --no-print-directory -j3 -O test-tensorflow test-torch test-jax
+	$(MAKE) --no-print-directory test-horovod
+
+test-tensorflow: install
+	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra -p no:cacheprovider -m "not horovod" tests
 
 test-torch: install
 	KERAS_BACKEND=torch $(PY) -m pytest -q -ra -p no:cacheprovider tests
@@ -49,7 +54,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow and not horovod" tests
 
 test-horovod: install
-	$(PY) -m pytest -q -ra -m horovod tests/horovod
+	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra -p no:cacheprovider -m horovod tests
 
 # The JAX offload, checked in the program XLA compiles for an H100 (no GPU needed, but the jax CUDA plugin: ~5.5 GB,
 # so its own environment, .venv-jax, made on first use; docs/jax_findings.md).

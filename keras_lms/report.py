@@ -341,7 +341,7 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
                       predicted_step_seconds=planned.step_seconds,
                       predicted_step_seconds_plain=times["plain"].step_seconds,
                       predicted_step_seconds_offload_only=times["offload-only"].step_seconds,
-                      recompute_flops=planned.recompute_flops)
+                      recompute_flops=planned.recompute_flops, prefetch=step.prefetch)
     return ActivationReport(model.name, batch_size, link_gbps, rows, totals, plain, with_lms, config.device_budget,
                             times, profile)
 

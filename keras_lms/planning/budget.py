@@ -17,7 +17,7 @@ from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import CallDecision, plan_entries, tensor_bytes
-from keras_lms.planning.recompute import choose_recomputed
+from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,50 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     entries = _note_slabs(calls, entries, facts, batch_size)
     if config.device_profile is not None:
         _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+        if config.device_budget is not None:
+            _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
     return entries
+
+
+# With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
+MAX_PREFETCH = 8
+
+
+def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
+                   update_bytes: int = 0) -> None:
+    """Start copies back earlier where the budget has room for them: among the prefetch depths from
+    ``config.prefetch`` up to MAX_PREFETCH whose plan fits ``device_budget`` (a deeper prefetch holds each copy
+    back on the device longer), the one with the shortest predicted step, recorded on every entry
+    (``PlanEntry.prefetch``). Why: a backward that reads a large tensor waits for its copy back, which one call
+    of lead hides only behind a call as long as the copy (an H200 step at 192^3 waits ~100 ms for copies with a
+    lead of one call, ~65 ms with four: docs/benchmarks.md). ``prefetch=0`` (copies back only when their
+    gradient arrives) is the user's explicit choice and is kept."""
+    if config.prefetch < 1 or not any(e.offloaded for e in entries):
+        return
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes = min((e.slab_bytes for e in entries if e.offloaded), default=0)
+    recomputed = recomputed_producers(entries)
+
+    def seconds(prefetch):
+        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, prefetch, slab_bytes,
+                                 config.lean_normalization, recomputed).step_seconds
+
+    best, best_seconds = config.prefetch, seconds(config.prefetch)
+    for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
+        memory = simulate(calls, offloaded, facts, batch_size, prefetch, static_bytes, update_bytes=update_bytes,
+                          lean_normalization=config.lean_normalization, slab_bytes=slab_bytes,
+                          recomputed=recomputed)
+        if memory.budget_bytes > config.device_budget:
+            break  # deeper holds more: nothing further fits either
+        t = seconds(prefetch)
+        if t < best_seconds * 0.99:  # at least 1% faster for each step deeper
+            best, best_seconds = prefetch, t
+    if best == config.prefetch:
+        return
+    log.info("keras-lms: copies back start %d calls ahead instead of %d (predicted step %.3f s on %s).", best,
+             config.prefetch, best_seconds, config.device_profile.name)
+    for entry in entries:
+        entry.prefetch = best
 
 
 def keep_unread_activation_outputs(calls, decisions, facts) -> list:

@@ -37,6 +37,9 @@ class PlanEntry:
         recomputed_output: the call's output is never copied to host; every backward that reads it recomputes
             its windows from this call's inputs (``planning.recompute``, chosen by the step-time model).
         recomputed_inputs: indices of the calls whose recomputed outputs this call reads (empty: none).
+        prefetch: how many calls ahead the step starts copies back, where the time-aware planner chose a depth
+            (with ``device_profile`` and ``device_budget``: the shortest predicted step that fits); the same on
+            every entry of a plan. None: ``LMSConfig.prefetch``.
     """
 
     index: int
@@ -57,6 +60,7 @@ class PlanEntry:
     recompute_from: tuple | None = None
     recomputed_output: bool = False
     recomputed_inputs: list = dataclasses.field(default_factory=list)
+    prefetch: int | None = None
 
     @property
     def decision(self) -> str:
@@ -163,3 +167,8 @@ def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], fa
 def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
     """Bytes held in host memory per step (each offloaded tensor once)."""
     return sum(e.new_host_bytes for e in plan)
+
+
+def planned_prefetch(entries, default: int) -> int:
+    """The prefetch depth a plan runs with: the planner's choice (``PlanEntry.prefetch``), else ``default``."""
+    return next((e.prefetch for e in entries if e.prefetch is not None), default)

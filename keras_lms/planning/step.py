@@ -14,6 +14,7 @@ from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
+from keras_lms.planning.plan import planned_prefetch
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
@@ -53,6 +54,11 @@ class StepPlan:
         return [list(entry.tensor_offloaded) for entry in self.entries]
 
     @property
+    def prefetch(self) -> int:
+        """How many calls ahead the step starts copies back (the planner may have chosen deeper than the config)."""
+        return planned_prefetch(self.entries, self.config.prefetch)
+
+    @property
     def slab_bytes(self) -> int:
         """The slab size the step uses (the budget planner may have chosen smaller slabs than the config's)."""
         return min((e.slab_bytes for e in self.entries if e.offloaded), default=self.config.slab_bytes)
@@ -61,7 +67,8 @@ class StepPlan:
         """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's, with
         nothing recomputed)."""
         return simulate(self.calls, self.offloaded if offloaded is None else offloaded, self.facts, self.batch_size,
-                        self.config.prefetch, self.static_bytes, update_bytes=self.update_bytes,
+                        self.prefetch if offloaded is None else self.config.prefetch, self.static_bytes,
+                        update_bytes=self.update_bytes,
                         lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
                         recomputed=self.recomputed if offloaded is None else frozenset())
 
@@ -97,7 +104,8 @@ class StepPlan:
         if recomputed is None:
             recomputed = self.recomputed if offloaded is None else frozenset()
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
-                                 profile, self.batch_size, self.config.prefetch, self.slab_bytes,
+                                 profile, self.batch_size, self.prefetch if offloaded is None else self.config.prefetch,
+                                 self.slab_bytes,
                                  self.config.lean_normalization, recomputed)
 
 

@@ -185,7 +185,9 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
             t += run / k
     for i in range(n - 1, -1, -1):  # backward
         link.advance_to(t)
-        for c in triggered.get(i, ()):  # copies back that this backward's start triggers (prefetch)
+        # copies back that this backward's start triggers (prefetch), the soonest needed first (as torch's
+        # ``swap_in_order`` issues them; the first backward triggers the last ``prefetch`` + 1 calls' at once)
+        for c in sorted(triggered.get(i, ()), reverse=True):
             if c not in pending:
                 issue_backward(c)
         cost, unit = costs[i], calls[i].unit

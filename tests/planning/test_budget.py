@@ -59,3 +59,38 @@ def test_static_and_update_bytes_count_against_the_budget():
     assert any(e.offloaded for e in with_weights)
     with pytest.raises(BudgetError, match="optimizer-update temporaries"):
         build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=plain), FACTS, update_bytes=plain + 1)
+
+
+def test_with_a_profile_copies_back_start_earlier_where_the_budget_has_room():
+    # A slow host -> device link: the copy back of d0's 16 KiB input takes 164 ms, each Dense backward 67 ms.
+    # One call of lead leaves most of it exposed; more lead hides it, and holds it on the device longer: up
+    # to four calls ahead the step fits the budget, five do not.
+    from keras_lms.planning.device_profile import DeviceProfile
+    from keras_lms.planning.step_time import predict_step_time
+
+    def link(h2d):
+        return DeviceProfile(name="link", description="a link", flops_per_second={"float32": 1e9},
+                             elementwise_bytes_per_second=1e12, host_to_device_bytes_per_second=h2d,
+                             device_to_host_bytes_per_second=1e9, host_to_device_concurrent_bytes_per_second=h2d,
+                             device_to_host_concurrent_bytes_per_second=1e9)
+
+    calls = [raw_call(keras.layers.Dense(4096, name=f"d{i}"), [(f"t{i}", floats(4096))],
+                      [(f"t{i + 1}", floats(4096))]) for i in range(6)]
+    offload_first = [[True]] + [[False]] * 5
+    budget = simulate(calls, offload_first, FACTS, prefetch=1).budget_bytes
+    assert simulate(calls, offload_first, FACTS, prefetch=4).budget_bytes == budget
+    assert simulate(calls, offload_first, FACTS, prefetch=5).budget_bytes > budget
+    config = LMSConfig(min_bytes=0, keep_last=0, device_budget=budget, device_profile=link(1e5))
+    entries = build_plan(calls, config, FACTS)
+    assert [e.offloaded for e in entries] == [True] + [False] * 5
+    chosen = entries[0].prefetch
+    assert chosen in (2, 3, 4) and all(e.prefetch == chosen for e in entries)  # five calls ahead do not fit
+    seconds = [predict_step_time(calls, offload_first, FACTS, link(1e5), prefetch=p).step_seconds for p in (1, chosen)]
+    assert seconds[1] < 0.9 * seconds[0]
+    # the controls: a link fast enough to hide the copy behind one call keeps the configured prefetch, and
+    # without a profile the planner does not look at time at all
+    fast = build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget, device_profile=link(1e12)),
+                      FACTS)
+    assert fast[0].offloaded and all(e.prefetch is None for e in fast)
+    untimed = build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget), FACTS)
+    assert all(e.prefetch is None for e in untimed)

@@ -241,7 +241,7 @@ class StepContext(SlabCalls, common.InterceptingContext):
     # ----------------------------------------------------------------- backward
     def _trigger(self, record):
         """The gradient tensor whose arrival starts this call's swap-in (prefetch calls ahead)."""
-        for j in range(record.index + self.config.prefetch, record.index, -1):
+        for j in range(record.index + self.prefetch, record.index, -1):
             other = self.records.get(j)
             if other is not None and other.marker is not None:
                 return other.marker

@@ -187,10 +187,10 @@ class StepContext(common.InterceptingContext):
     def begin_backward(self, record):
         """Start this call's swap-in (if not prefetched) and those of the next ``prefetch`` calls."""
         with self._lock:
-            candidates = {i: self.records.get(i) for i in range(record.index - self.config.prefetch, record.index)}
+            candidates = {i: self.records.get(i) for i in range(record.index - self.prefetch, record.index)}
             candidates[record.index] = record
             pending = {i for i, r in candidates.items() if r is not None and not r.started}
-            for i in swap_in_order(record.index, pending, self.config.prefetch):
+            for i in swap_in_order(record.index, pending, self.prefetch):
                 candidates[i].start_swap_in()
 
     def end_backward(self, record):

@@ -111,6 +111,44 @@ def test_backward_of_call_k_starts_the_swap_in_of_call_k_minus_prefetch(prefetch
     assert started_by == {i: min(i + prefetch, n - 1) for i in range(n)}
 
 
+def test_the_planned_prefetch_is_what_the_step_runs(monkeypatch):
+    # With device_profile and device_budget the planner may start copies back deeper than LMSConfig.prefetch
+    # (planning.budget._plan_prefetch, tested on its own in tests/planning/test_budget.py); the step must run
+    # the plan's depth, not the config's. The plan is made to say 3 here; the config says 1.
+    from keras_lms.planning import step as planning_step
+
+    build = planning_step.build_plan
+
+    def planned_three(*args, **kwargs):
+        entries = build(*args, **kwargs)
+        for entry in entries:
+            entry.prefetch = 3
+        return entries
+
+    monkeypatch.setattr(planning_step, "build_plan", planned_three)
+    n = 8
+    model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(n)])
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=1)
+    started_by, current = {}, []
+    begin, start = lms_torch.StepContext.begin_backward, lms_torch._CallRecord.start_swap_in
+
+    def spy_begin(self, record):
+        current.append(record.index)
+        return begin(self, record)
+
+    def spy_start(self):
+        if not self.started:
+            started_by[self.index] = current[-1]
+        return start(self)
+
+    monkeypatch.setattr(lms_torch.StepContext, "begin_backward", spy_begin)
+    monkeypatch.setattr(lms_torch._CallRecord, "start_swap_in", spy_start)
+    x = torch.rand(4, 16, requires_grad=True)
+    wrapped(x, training=True).sum().backward()
+    assert wrapped.lms_config.prefetch == 1 and {e.prefetch for e in wrapped.lms_plan} == {3}
+    assert started_by == {i: min(i + 3, n - 1) for i in range(n)}
+
+
 # --------------------------------------------------------------------------------- host copies
 def test_one_host_copy_per_tensor_shared_by_consumers(monkeypatch):
     """A tensor consumed by two offloaded calls (a skip connection) is copied to host once per step."""
