@@ -34,8 +34,9 @@ horovod: $(HVD_STAMP)
 # its tests of the compiled GPU program skip here and run in `make test-jax-compile`.
 # The torch and JAX runs share the machine (`-j2`; each run's output is printed whole when it ends: `-O`; no
 # shared .pytest_cache between them). The TensorFlow run goes first, alone: on 2 cores, running all three side
-# by side was slower (CI, 2026-12-04: the JAX run took 34 min instead of 15, TensorFlow's 40 instead of 26, since
-# every run's thread pools fight for the same cores), and its Horovod jobs time their ranks.
+# by side (Horovod jobs after, alone) was no faster in fresh-clone CI runs on 2026-12-04 (make test 2931 s against
+# 2884 s: every run's thread pools fight for the same cores; JAX took 34 min instead of 18), and the Horovod
+# jobs time their ranks.
 test: install
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra tests
 	$(MAKE) --no-print-directory -j2 -O test-torch test-jax
