@@ -23,21 +23,12 @@ import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras
-
 import keras_lms
-from benchmarks.models import build_unet
+from benchmarks.gpu_bench_measure import build_pair, wrap_time_aware
 from keras_lms.planning.call_costs import call_cost
 from keras_lms.planning.device_profile import load_profile
 
 GIB = 1 << 30
-
-
-def _wrapped(edge: int, meta: dict, device_profile=None):
-    keras.backend.clear_session()
-    model = build_unet((edge, edge, edge, 1), depth=meta["depth"], base_filters=meta["base_filters"])
-    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="binary_crossentropy")
-    return keras_lms.wrap(model, min_bytes=meta["min_bytes"], device_profile=device_profile)
 
 
 def _predicted(wrapped, batch: int, profile) -> tuple:
@@ -50,8 +41,9 @@ def replay_timing(run: dict, profile, planned_for) -> list:
     meta, rows = run["meta"]["args"], []
     for entry in run["timing"]:
         edge = entry["edge"]
-        plain, offload_only = _predicted(_wrapped(edge, meta), meta["batch"], profile)
-        _, timed = _predicted(_wrapped(edge, meta, planned_for), meta["batch"], profile)
+        model, wrapped = build_pair(edge, argparse.Namespace(**meta), wrap=True)  # as gpu_bench built them
+        plain, offload_only = _predicted(wrapped, meta["batch"], profile)
+        _, timed = _predicted(wrap_time_aware(model, meta["min_bytes"], planned_for), meta["batch"], profile)
         for plan, measured, then, now, copied in (
                 ("plain", entry["plain_ms"], entry.get("predicted_plain_ms"), plain, 0.0),
                 ("offload-only", entry["lms_ms"], entry.get("predicted_lms_ms"), offload_only, entry["d2h_gib"]),
@@ -71,7 +63,7 @@ def model_classes(edge: int, meta: dict, profile) -> dict:
     """The plain step's predicted seconds by kind of work: convolutions, element-wise, layout copies."""
     from keras_lms import offload, planning
 
-    wrapped = _wrapped(edge, meta)
+    _, wrapped = build_pair(edge, argparse.Namespace(**meta), wrap=True)
     backend = offload.active_backend()
     step = planning.plan_step(backend, wrapped.inner_model, wrapped.lms_structure, wrapped.lms_config,
                               backend.example_inputs(wrapped.inner_model, meta["batch"]), {}, meta["batch"], None)

@@ -75,6 +75,27 @@ def no_host_copies(monkeypatch):
 
 
 @pytest.fixture
+def planned_prefetch(monkeypatch):
+    """``planned_prefetch(depth)``: every plan made afterwards says copies back start ``depth`` calls ahead
+    (``PlanEntry.prefetch``), as the time-aware planner (``planning.budget._plan_prefetch``) may choose: for the
+    back ends' tests that the step runs the plan's depth, not ``LMSConfig.prefetch``."""
+    from keras_lms.planning import step as planning_step
+
+    build = planning_step.build_plan
+
+    def plan_with(depth: int) -> None:
+        def build_plan(*args, **kwargs):
+            entries = build(*args, **kwargs)
+            for entry in entries:
+                entry.prefetch = depth
+            return entries
+
+        monkeypatch.setattr(planning_step, "build_plan", build_plan)
+
+    return plan_with
+
+
+@pytest.fixture
 def mixed_precision():
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:

@@ -16,7 +16,7 @@ import logging
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import simulate, tensor_sizes
-from keras_lms.planning.plan import CallDecision, plan_entries, tensor_bytes
+from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, tensor_bytes
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 
@@ -63,7 +63,7 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
     if config.prefetch < 1 or not any(e.offloaded for e in entries):
         return
     offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes = min((e.slab_bytes for e in entries if e.offloaded), default=0)
+    slab_bytes = planned_slab_bytes(entries)
     recomputed = recomputed_producers(entries)
 
     def seconds(prefetch):
@@ -111,7 +111,7 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
     """Mark the tensors to recompute instead of copying (``planning.recompute``), chosen by the predicted step
     on ``config.device_profile``, and say so in the entries' reasons."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes = min((e.slab_bytes for e in entries if e.offloaded), default=0)
+    slab_bytes = planned_slab_bytes(entries)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
     chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
     candidates = {s.producer: s for s in facts.recompute_sources(calls, offloaded, slabs, chains, batch_size).values()
@@ -166,8 +166,7 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
 
 def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     """Say in each entry's reason when the call is computed in slabs (``LMSConfig.slab_bytes``)."""
-    offloaded = [e for e in entries if e.offloaded]
-    slab_bytes = min((e.slab_bytes for e in offloaded), default=0)  # one size per plan (fit_budget)
+    slab_bytes = planned_slab_bytes(entries)
     offloaded_rows = [list(e.tensor_offloaded) for e in entries]
     plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
     chains = facts.fused_slab_chains(calls, offloaded_rows, plans)

@@ -172,3 +172,9 @@ def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
 def planned_prefetch(entries, default: int) -> int:
     """The prefetch depth a plan runs with: the planner's choice (``PlanEntry.prefetch``), else ``default``."""
     return next((e.prefetch for e in entries if e.prefetch is not None), default)
+
+
+def planned_slab_bytes(entries, default: int = 0) -> int:
+    """The slab size a plan computes with: one size per plan (``budget.fit_budget``), read off its offloaded
+    entries; ``default`` when nothing is offloaded."""
+    return min((e.slab_bytes for e in entries if e.offloaded), default=default)

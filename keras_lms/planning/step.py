@@ -14,7 +14,7 @@ from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
-from keras_lms.planning.plan import planned_prefetch
+from keras_lms.planning.plan import planned_prefetch, planned_slab_bytes
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
@@ -61,7 +61,7 @@ class StepPlan:
     @property
     def slab_bytes(self) -> int:
         """The slab size the step uses (the budget planner may have chosen smaller slabs than the config's)."""
-        return min((e.slab_bytes for e in self.entries if e.offloaded), default=self.config.slab_bytes)
+        return planned_slab_bytes(self.entries, self.config.slab_bytes)
 
     def wrapped_memory(self, offloaded=None) -> StepMemory:
         """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's, with

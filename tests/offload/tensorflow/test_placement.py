@@ -111,21 +111,11 @@ def test_swap_in_waits_for_backward_and_prefetches(prefetch):
         assert trig == {expected}, (own, trig, prefetch)
 
 
-def test_the_planned_prefetch_gates_the_swap_ins(monkeypatch):
+def test_the_planned_prefetch_gates_the_swap_ins(planned_prefetch):
     """With device_profile and device_budget the planner may start copies back deeper than LMSConfig.prefetch
     (planning.budget._plan_prefetch, tested in tests/planning/test_budget.py): the traced step must gate each
     swap-in on the gradient of the call the plan says. The plan is made to say 2 here; the config says 0."""
-    from keras_lms.planning import step as planning_step
-
-    build = planning_step.build_plan
-
-    def planned_two(*args, **kwargs):
-        entries = build(*args, **kwargs)
-        for entry in entries:
-            entry.prefetch = 2
-        return entries
-
-    monkeypatch.setattr(planning_step, "build_plan", planned_two)
+    planned_prefetch(2)
     model = models.cnn_bn_dropout()
     x = RNG.random((2, 16, 16, 3)).astype("float32")
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=0)

@@ -86,11 +86,9 @@ def test_swap_in_order():
     assert order(5, set(), 3) == []
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_backward_of_call_k_starts_the_swap_in_of_call_k_minus_prefetch(prefetch, monkeypatch):
-    n = 8
-    model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(n)])
-    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=prefetch)
+def _swap_in_starts(wrapped, monkeypatch, n: int) -> tuple:
+    """One backward of ``wrapped`` (a chain of ``n`` Dense calls on 16 features): the order its calls' backwards
+    begin in, and which call's backward started each call's swap-in."""
     started_by, current = {}, []
     begin, start = lms_torch.StepContext.begin_backward, lms_torch._CallRecord.start_swap_in
 
@@ -107,44 +105,30 @@ def test_backward_of_call_k_starts_the_swap_in_of_call_k_minus_prefetch(prefetch
     monkeypatch.setattr(lms_torch._CallRecord, "start_swap_in", spy_start)
     x = torch.rand(4, 16, requires_grad=True)
     wrapped(x, training=True).sum().backward()
+    return current, started_by
+
+
+def _dense_chain(n: int):
+    return keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(n)])
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_backward_of_call_k_starts_the_swap_in_of_call_k_minus_prefetch(prefetch, monkeypatch):
+    n = 8
+    wrapped = keras_lms.wrap(_dense_chain(n), min_bytes=0, keep_last=0, prefetch=prefetch)
+    current, started_by = _swap_in_starts(wrapped, monkeypatch, n)
     assert current == list(range(n - 1, -1, -1))  # backward runs in reverse forward order
     assert started_by == {i: min(i + prefetch, n - 1) for i in range(n)}
 
 
-def test_the_planned_prefetch_is_what_the_step_runs(monkeypatch):
+def test_the_planned_prefetch_is_what_the_step_runs(planned_prefetch, monkeypatch):
     # With device_profile and device_budget the planner may start copies back deeper than LMSConfig.prefetch
     # (planning.budget._plan_prefetch, tested on its own in tests/planning/test_budget.py); the step must run
     # the plan's depth, not the config's. The plan is made to say 3 here; the config says 1.
-    from keras_lms.planning import step as planning_step
-
-    build = planning_step.build_plan
-
-    def planned_three(*args, **kwargs):
-        entries = build(*args, **kwargs)
-        for entry in entries:
-            entry.prefetch = 3
-        return entries
-
-    monkeypatch.setattr(planning_step, "build_plan", planned_three)
+    planned_prefetch(3)
     n = 8
-    model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(n)])
-    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=1)
-    started_by, current = {}, []
-    begin, start = lms_torch.StepContext.begin_backward, lms_torch._CallRecord.start_swap_in
-
-    def spy_begin(self, record):
-        current.append(record.index)
-        return begin(self, record)
-
-    def spy_start(self):
-        if not self.started:
-            started_by[self.index] = current[-1]
-        return start(self)
-
-    monkeypatch.setattr(lms_torch.StepContext, "begin_backward", spy_begin)
-    monkeypatch.setattr(lms_torch._CallRecord, "start_swap_in", spy_start)
-    x = torch.rand(4, 16, requires_grad=True)
-    wrapped(x, training=True).sum().backward()
+    wrapped = keras_lms.wrap(_dense_chain(n), min_bytes=0, keep_last=0, prefetch=1)
+    _, started_by = _swap_in_starts(wrapped, monkeypatch, n)
     assert wrapped.lms_config.prefetch == 1 and {e.prefetch for e in wrapped.lms_plan} == {3}
     assert started_by == {i: min(i + 3, n - 1) for i in range(n)}
 
