@@ -77,12 +77,24 @@ def large_cases(edge: int, profile: str) -> list:
              True)]
 
 
+_PLAIN = {}
+
+
+def _plain_simulation(builder, batch, model, x_shape, y_shape):
+    """The plain step's simulation, once per model and batch: the cases of one model differ only in how it is
+    wrapped, and the plain graph grappler optimises is the same for all of them (about a third of the run)."""
+    key = (builder, batch)
+    if key not in _PLAIN:
+        _PLAIN[key] = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False)
+    return _PLAIN[key]
+
+
 def measure(label, builder, batch, settings, fused, exact=True) -> dict:
     from keras_lms.offload.tensorflow import slab_chains, slab_plan
 
     model = build(builder)
     x_shape, y_shape = shapes(model, batch)
-    plain = simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False)
+    plain = _plain_simulation(builder, batch, model, x_shape, y_shape)
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
     slab_plan.EXACT_ROWS = exact
     try:

@@ -10,6 +10,7 @@ microseconds, under its 1 ms minimum to swap, so the swaps themselves are measur
 docs/benchmarks.md; the estimate that decides them is tested here.)
 """
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.tensorflow(reason="grappler's layout and memory optimi
 CASE = pathlib.Path(__file__).with_name("layout_fence_case.py")
 
 
+@functools.cache  # the unflagged case is read by two tests: one run of grappler for both
 def run_case(*flags):
     out = subprocess.run([sys.executable, str(CASE), *flags, "32", "128KiB"], capture_output=True, text=True,
                          timeout=900)
