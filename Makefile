@@ -38,7 +38,8 @@ horovod: $(HVD_STAMP)
 # suite's wall time"): TensorFlow alone 1763 s and JAX alone 1072 s; side by side both were done in 2018 s; three
 # runs at once were slower than one after the other (every run's thread pools fight for the same two cores).
 TF_SECOND_LANE := tests/offload/tensorflow/test_zoo_slabs.py
-TF_RUN := KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra -p no:cacheprovider
+PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
+TF_RUN := KERAS_BACKEND=tensorflow $(PYTEST)
 
 test: install
 	$(MAKE) --no-print-directory -j2 -O test-lane-tensorflow test-lane-jax-torch
@@ -55,17 +56,17 @@ test-tensorflow: install
 	$(TF_RUN) tests
 
 test-torch: install
-	KERAS_BACKEND=torch $(PY) -m pytest -q -ra -p no:cacheprovider tests
+	KERAS_BACKEND=torch $(PYTEST) tests
 
 test-jax: install
-	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(PY) -m pytest -q -ra -p no:cacheprovider tests
+	KERAS_BACKEND=jax JAX_PLATFORMS=cpu $(PYTEST) tests
 
 # Unit tests only (no model zoo, no multi-process Horovod runs).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow and not horovod" tests
 
 test-horovod: install
-	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -ra -p no:cacheprovider -m horovod tests
+	$(TF_RUN) -m horovod tests
 
 # The JAX offload, checked in the program XLA compiles for an H100 (no GPU needed, but the jax CUDA plugin: ~5.5 GB,
 # so its own environment, .venv-jax, made on first use; docs/jax_findings.md).
