@@ -45,10 +45,11 @@ FORCED = dict(host_device=HOST_STAND_IN, min_bytes=0, keep_last=0)
 
 
 def cases() -> list:
-    """(label, model builder, batch, wrap settings, fused slab chains[, exact-row convolutions]). The slab cases
-    cut every large call in 4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution chains off
-    (slab_chains.ENABLED); "halo rows convolved" turns exact-row convolution slabs off (slab_plan.EXACT_ROWS:
-    every slab convolves its whole window "same" and crops, the control of slab_rows)."""
+    """(label, model builder, batch, wrap settings, fused slab chains[, exact-row convolutions[, sweeps]]). The
+    slab cases cut every large call in 4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution
+    chains off (slab_chains.ENABLED); "halo rows convolved" turns exact-row convolution slabs off
+    (slab_plan.EXACT_ROWS: every slab convolves its whole window "same" and crops, the control of slab_rows);
+    "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps."""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
     slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
@@ -64,7 +65,11 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5)", unet3d, 1,
              {**slabs3d, "device_profile": "h100-pcie5"}, True),
             ("2D U-Net 2x64x64, slabs of 32 KiB, recomputed (h100-pcie5)", unet2d, 2,
-             {**slabs2d, "device_profile": "h100-pcie5"}, True)]
+             {**slabs2d, "device_profile": "h100-pcie5"}, True),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5), no sweeps", unet3d, 1,
+             {**slabs3d, "device_profile": "h100-pcie5"}, True, True, False),
+            ("2D U-Net 2x64x64, slabs of 32 KiB, recomputed (h100-pcie5), no sweeps", unet2d, 2,
+             {**slabs2d, "device_profile": "h100-pcie5"}, True, True, False)]
 
 
 def large_cases(edge: int, profile: str) -> list:
@@ -89,21 +94,22 @@ def _plain_simulation(builder, batch, model, x_shape, y_shape):
     return _PLAIN[key]
 
 
-def measure(label, builder, batch, settings, fused, exact=True) -> dict:
-    from keras_lms.offload.tensorflow import slab_chains, slab_plan
+def measure(label, builder, batch, settings, fused, exact=True, sweep=True) -> dict:
+    from keras_lms.offload.tensorflow import slab_chains, slab_plan, sweeps
 
     model = build(builder)
     x_shape, y_shape = shapes(model, batch)
     plain = _plain_simulation(builder, batch, model, x_shape, y_shape)
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
     slab_plan.EXACT_ROWS = exact
+    sweeps.ENABLED = sweep
     try:
         wrapped = keras_lms.wrap(model, **settings)
         sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
         # timed on a profile only to read the plan's own recompute FLOPs (a wrapped model's plan is kept as is)
         rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:], device_profile=TIMING_PROFILE)
     finally:
-        slab_chains.ENABLED = slab_plan.EXACT_ROWS = True
+        slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = True
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
                 measured_out=sim.gpu.sent_bytes - plain.gpu.sent_bytes,
@@ -113,6 +119,7 @@ def measure(label, builder, batch, settings, fused, exact=True) -> dict:
                 old_count=old, slabs=sum("slabs" in r["reason"] for r in rep.rows), fused=fused, exact_rows=exact,
                 fused_chains=sum(r["decision"] == "recompute" for r in rep.rows),
                 recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)),
+                swept=sum(e.sweep is not None for e in wrapped.lms_plan or wrapped.plan(batch)),
                 peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],
                 report_recompute_flops=rep.times["as planned"].recompute_flops,
                 measured_recompute_flops=sim.conv_flops - plain.conv_flops, plain_conv_flops=plain.conv_flops,
@@ -122,14 +129,15 @@ def measure(label, builder, batch, settings, fused, exact=True) -> dict:
 
 def table(rows) -> Table:
     t = Table(title="host-link bytes per step (MiB): report vs the grappler-optimised graph on a virtual GPU")
-    for column in ("case", "slab calls", "recompute decisions", "measured out", "report out", "measured in",
-                   "report in", "report error", "old count (in+out)", "old count error", "simulated peak MiB",
-                   "report peak MiB", "extra conv GFLOP measured", "report recompute GFLOP"):
+    for column in ("case", "slab calls", "recompute decisions", "swept calls", "measured out", "report out",
+                   "measured in", "report in", "report error", "old count (in+out)", "old count error",
+                   "simulated peak MiB", "report peak MiB", "extra conv GFLOP measured", "report recompute GFLOP"):
         t.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
         measured = r["measured_out"] + r["measured_in"]
         error = (r["report_out"] + r["report_in"]) / measured - 1
-        t.add_row(r["case"], str(r["slabs"]), str(r["fused_chains"]), f"{r['measured_out'] / MIB:.2f}",
+        t.add_row(r["case"], str(r["slabs"]), str(r["fused_chains"]), str(r["swept"]),
+                  f"{r['measured_out'] / MIB:.2f}",
                   f"{r['report_out'] / MIB:.2f}",
                   f"{r['measured_in'] / MIB:.2f}", f"{r['report_in'] / MIB:.2f}", f"{error:+.1%}",
                   f"{r['old_count'] / MIB:.2f}", f"{r['old_count'] / measured - 1:+.1%}",

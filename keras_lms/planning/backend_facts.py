@@ -189,6 +189,19 @@ class BackendFacts:
         between) for the slab calls whose input is recomputed instead of copied (none here)."""
         return {}
 
+    def slab_sweeps(self, calls, offloaded, slabs: dict) -> list:
+        """The runs of calls whose backward runs in passes over slab windows from the run's input (TensorFlow's
+        ``offload.tensorflow.sweeps.Sweep``; none here)."""
+        return []
+
+    def forced_sweeps(self) -> bool:
+        """Whether every candidate of ``slab_sweeps`` is swept whatever the profile (a test switch)."""
+        return False
+
+    def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
+        """What a sweep of ``slab_sweeps`` reads and recomputes (TensorFlow's ``slab_costs.SweepTraffic``)."""
+        raise NotImplementedError(f"{type(self).__name__} plans no sweeps")
+
     def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
         """Tensor key -> ``planning.recompute.RecomputeSource`` for the tensors this back end can recompute in
         windows instead of copying (none here: no back end but TensorFlow's slabs reads windows)."""

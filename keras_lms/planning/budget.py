@@ -16,9 +16,10 @@ import logging
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import simulate, tensor_sizes
-from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, tensor_bytes
+from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, planned_sweeps, tensor_bytes
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
+from keras_lms.planning.sweep_plan import plan_sweeps, refine_sweeps
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,10 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
     entries = _note_slabs(calls, entries, facts, batch_size)
+    plan_sweeps(calls, entries, config, facts, batch_size)
     if config.device_profile is not None:
         _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+        refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
     return entries
@@ -64,11 +67,11 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
         return
     offloaded = [list(e.tensor_offloaded) for e in entries]
     slab_bytes = planned_slab_bytes(entries)
-    recomputed = recomputed_producers(entries)
+    recomputed, swept = recomputed_producers(entries), planned_sweeps(entries)
 
     def seconds(prefetch):
         return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, prefetch, slab_bytes,
-                                 config.lean_normalization, recomputed).step_seconds
+                                 config.lean_normalization, recomputed, swept).step_seconds
 
     best, best_seconds = config.prefetch, seconds(config.prefetch)
     for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
@@ -119,9 +122,11 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
     if not candidates:
         return
 
+    swept = planned_sweeps(entries)
+
     def seconds(recomputed):
         return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
-                                 slab_bytes, config.lean_normalization, recomputed).step_seconds
+                                 slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
 
     fits = None
     if config.device_budget is not None:

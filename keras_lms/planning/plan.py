@@ -37,6 +37,9 @@ class PlanEntry:
         recomputed_output: the call's output is never copied to host; every backward that reads it recomputes
             its windows from this call's inputs (``planning.recompute``, chosen by the step-time model).
         recomputed_inputs: indices of the calls whose recomputed outputs this call reads (empty: none).
+        sweep: the call indices of the level sweep this call belongs to (TensorFlow: a run of convolution ->
+            BatchNormalization -> activation units differentiated in passes over slab windows from the run's
+            input, ``offload.tensorflow.sweeps``); None otherwise.
         prefetch: how many calls ahead the step starts copies back, where the time-aware planner chose a depth
             (with ``device_profile`` and ``device_budget``: the shortest predicted step that fits); the same on
             every entry of a plan. None: ``LMSConfig.prefetch``.
@@ -60,6 +63,7 @@ class PlanEntry:
     recompute_from: tuple | None = None
     recomputed_output: bool = False
     recomputed_inputs: list = dataclasses.field(default_factory=list)
+    sweep: tuple | None = None
     prefetch: int | None = None
 
     @property
@@ -126,6 +130,7 @@ class CallDecision:
     reason: str
     slab_bytes: int | None = None  # the slab size the call is computed with (None: the config's)
     recompute_from: tuple | None = None  # (source call, call in between): PlanEntry.recompute_from
+    sweep: tuple | None = None  # the call indices of its level sweep: PlanEntry.sweep
 
     @property
     def offloaded(self) -> bool:
@@ -172,6 +177,11 @@ def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
 def planned_prefetch(entries, default: int) -> int:
     """The prefetch depth a plan runs with: the planner's choice (``PlanEntry.prefetch``), else ``default``."""
     return next((e.prefetch for e in entries if e.prefetch is not None), default)
+
+
+def planned_sweeps(entries) -> frozenset:
+    """The first calls of the level sweeps a plan runs (``PlanEntry.sweep``)."""
+    return frozenset(e.sweep[0] for e in entries if getattr(e, "sweep", None))
 
 
 def planned_slab_bytes(entries, default: int = 0) -> int:

@@ -14,7 +14,7 @@ from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
-from keras_lms.planning.plan import planned_prefetch, planned_slab_bytes
+from keras_lms.planning.plan import planned_prefetch, planned_slab_bytes, planned_sweeps
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
@@ -82,12 +82,17 @@ class StepPlan:
         """The calls whose outputs the plan recomputes in windows instead of copying (``planning.recompute``)."""
         return recomputed_producers(self.entries)
 
+    @property
+    def swept(self) -> frozenset:
+        """The first calls of the level sweeps the plan runs (TensorFlow: ``offload.tensorflow.sweeps``)."""
+        return planned_sweeps(self.entries)
+
     def link_traffic(self, offloaded=None) -> LinkTraffic:
-        """The host-link transfers of the plan (or of ``offloaded``, with nothing recomputed):
+        """The host-link transfers of the plan (or of ``offloaded``, with nothing recomputed or swept):
         ``traffic.link_traffic``."""
         if offloaded is None:
             return link_traffic(self.calls, self.offloaded, self.facts, self.batch_size, self.slab_bytes,
-                                self.recomputed)
+                                self.recomputed, self.swept)
         return link_traffic(self.calls, offloaded, self.facts, self.batch_size, self.slab_bytes)
 
     def recompute_candidates(self) -> frozenset:
@@ -98,15 +103,18 @@ class StepPlan:
         sources = self.facts.recompute_sources(self.calls, self.offloaded, slabs, chains, self.batch_size)
         return frozenset(s.producer for s in sources.values() if s.chosen)
 
-    def step_time(self, profile, offloaded=None, recomputed=None) -> StepTime:
+    def step_time(self, profile, offloaded=None, recomputed=None, swept=None) -> StepTime:
         """The predicted step time on ``profile`` (a ``DeviceProfile``) of the plan, or of ``offloaded`` (all
-        False: the plain step); with the plan's recomputed tensors, or ``recomputed`` (none for ``offloaded``)."""
+        False: the plain step); with the plan's recomputed tensors and sweeps, or ``recomputed`` / ``swept``
+        (none for ``offloaded``)."""
         if recomputed is None:
             recomputed = self.recomputed if offloaded is None else frozenset()
+        if swept is None:
+            swept = self.swept if offloaded is None else frozenset()
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
                                  profile, self.batch_size, self.prefetch if offloaded is None else self.config.prefetch,
                                  self.slab_bytes,
-                                 self.config.lean_normalization, recomputed)
+                                 self.config.lean_normalization, recomputed, swept)
 
 
 def plan_step(backend, model, structure, config: LMSConfig, inputs, kwargs=None, batch_size: int = 1,

@@ -134,13 +134,15 @@ def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> floa
 
 
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
-                      slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset()) -> StepTime:
+                      slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset(),
+                      swept=frozenset()) -> StepTime:
     """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host; ``recomputed``:
-    the calls whose outputs are recomputed instead of copied) on ``profile`` (a ``DeviceProfile``); with no
-    input offloaded it is the plain step. See the module docstring."""
+    the calls whose outputs are recomputed instead of copied; ``swept``: the first calls of the level sweeps it
+    runs) on ``profile`` (a ``DeviceProfile``); with no input offloaded it is the plain step. See the module
+    docstring."""
     n = len(calls)
     costs = [call_cost(call, batch_size, facts) for call in calls]
-    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed)
+    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept)
 
     def window_recompute(flops_and_bytes, dtype):
         flops, nbytes = flops_and_bytes
@@ -148,6 +150,9 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
 
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
+    # a level sweep's calls run no forward again in their own backward: its passes recompute (traffic.work)
+    in_sweep = {i for sweep in facts.slab_sweeps(calls, offloaded, slabs) if sweep.first in swept
+                for i in sweep.calls} if swept and slabs else set()
     link = _Link(profile, facts.shared_copy_stream)
     plain = recompute = flops = extra_flops = 0.0
     pending = {}  # call index -> its backward's copy-back pieces, once issued
@@ -196,7 +201,7 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         run = 0.0 if i in elided else _compute_seconds(cost, profile, factor, backward=True)
         flops += cost.backward_flops
         extra = cost.backward_flops * (factor - 1) if i not in elided else 0.0
-        if any(offloaded[i]) and i not in elided:
+        if any(offloaded[i]) and i not in elided and i not in in_sweep:
             redo = _recompute_seconds(cost, calls[i], facts, profile, lean_normalization)
             run += redo
             extra += cost.forward_flops if redo and cost.forward_flops else 0.0

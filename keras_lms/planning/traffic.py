@@ -14,6 +14,8 @@ The same walk as the memory model (``memory_model.simulate``), counting transfer
 - **recomputed tensors** (``planning.recompute``) are never copied: a read expands to reads of the host copies
   their recompute starts from. Read whole (torch), that copy back also serves the source's own reader
   (``RecomputeSource.shared_reader``), which then brings nothing back itself.
+- **level sweeps** (TensorFlow, ``offload.tensorflow.sweeps``): the passes read windows of the run's input,
+  widened by the halos of the convolutions they recompute, and nothing else of the run comes back.
 - **slab-computed calls** bring back windows, with halos, once per pass (``BackendFacts.slab_traffic``): on
   TensorFlow a convolution's backward windows overlap by twice its halo and a BatchNormalization's backward
   reads every window twice, which is why copies back exceed copies out (about 2x on the 3D U-Net).
@@ -81,10 +83,11 @@ class SlabTraffic:
 
 
 def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0,
-                 recomputed=frozenset()) -> LinkTraffic:
+                 recomputed=frozenset(), swept=frozenset()) -> LinkTraffic:
     """The host-link transfers of a plan (``offloaded[i][j]``: input j of call i goes to host); see the module
     docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size; ``recomputed``
-    the calls whose outputs are recomputed instead of copied (``planning.recompute``)."""
+    the calls whose outputs are recomputed instead of copied (``planning.recompute``); ``swept`` the first calls of
+    the level sweeps the plan runs (``BackendFacts.slab_sweeps``, ``plan.planned_sweeps``)."""
     n = len(calls)
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
@@ -93,9 +96,16 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}
+    swept = [facts.sweep_traffic(calls, sweep, slabs, offloaded, batch_size)
+             for sweep in facts.slab_sweeps(calls, offloaded, slabs) if sweep.first in swept] if swept and slabs else []
+    sweep_of = {s.first: s for s in swept}
+    in_sweep = frozenset().union(*(s.members for s in swept))
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
     work = {"fwd": [[0.0, 0.0] for _ in range(n)], "bwd": [[0.0, 0.0] for _ in range(n)]}
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
+    for sweep in swept:  # a pass reads its windows one by one, like a slab backward
+        for owner, *_ in sweep.reads:
+            pieces[owner] = sweep.pieces
     first_offload = {}  # key -> the first call (forward order) that offloads it
     whole_reader = {}  # key -> the first call whose backward brings the whole tensor back
     read = set()  # keys some backward reads from host
@@ -120,6 +130,22 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
         reads_inputs = facts.backward_reads(call.unit)[0]
         if i in elided:
             continue  # a concatenation nobody builds: its reader offloads its parts
+        if i in in_sweep and i not in sweep_of:
+            continue  # a level sweep's passes read for it (below, at the sweep's first call)
+        if i in sweep_of:
+            sweep = sweep_of[i]
+            for key, _size in sweep.copied:
+                first_offload.setdefault(key, i)
+            slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
+            for key, size, rows, windows, kind in slab.reads:
+                if kind == "fwd":  # the forward still reads a skip's windows from its host copy
+                    window_read(i, key, size, rows, windows, slab.length, kind)
+            for owner, key, size, rows, windows in sweep.reads:
+                window_read(owner, key, size, rows, windows, sweep.length, "bwd")
+            for owner, (flops, nbytes) in sweep.work.items():
+                work["bwd"][owner][0] += flops
+                work["bwd"][owner][1] += nbytes
+            continue
         if i in slabs:
             slab = facts.slab_traffic(calls, i, slabs[i], offloaded[i], batch_size)
             # (a fused chain's convolution reads its input's windows through the chain: ``sources``)
@@ -150,7 +176,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                 whole_reads[(i, key)] = size
                 whole_reader.setdefault(key, i)
     for i, call in enumerate(calls):
-        if (i in elided or i in fused_between or not facts.reads_output_host_copy(call.unit)
+        if (i in elided or i in fused_between or i in in_sweep or not facts.reads_output_host_copy(call.unit)
                 or not facts.backward_reads(call.unit)[1]):
             continue  # (a fused chain's activation: its gradient is taken in the convolution's backward)
         for key, size in zip(keys_out[i], sizes_out[i]):

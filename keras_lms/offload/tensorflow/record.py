@@ -59,3 +59,4 @@ class CallRecord:
     fused_gradient: tf.Tensor | None = None  # an activation's input gradient, taken in its consumer's backward
     fused_moments: object = None  # a BatchNorm's first-pass totals (TotalMoments), taken in the chain's conv
     upsampling: tuple | None = None  # (scale, output rows): an up-sampler whose windows can be recomputed
+    sweep: tuple | None = None  # (SweepRun, role, unit number): differentiated in a level sweep (sweep_calls)

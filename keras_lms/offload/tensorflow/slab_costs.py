@@ -13,8 +13,12 @@ backward reads ``[s0 - h, s1 + h)``.
 
 from __future__ import annotations
 
+import dataclasses
+
+from keras_lms.offload.tensorflow import sweeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
 from keras_lms.planning import layer_facts
+from keras_lms.planning.call_costs import call_cost
 from keras_lms.planning.plan import tensor_bytes
 from keras_lms.planning.traffic import SlabTraffic
 
@@ -82,3 +86,61 @@ def slab_flop_factors(unit, plan) -> tuple:
         return 1.0, (1.0 + forward_row_factor(plan)) / 2
     forward = forward_row_factor(plan) if computes_in_slabs_forward(unit) else 1.0
     return forward, backward_row_factor(plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepTraffic:
+    """What a level sweep (``sweeps``) reads and recomputes, per pass owner (the last activation for pass A, each
+    BatchNormalization for its pass B): ``reads`` ``(owner, key, bytes, rows read, windows)`` of the run's
+    input tensors (a concatenation's parts), ``work`` owner -> ``[kernel FLOPs, element-wise bytes]`` of the
+    recomputed forward (and the halo rows the convolution's weight gradient adds), ``length`` rows."""
+
+    first: int
+    members: frozenset
+    copied: tuple
+    reads: tuple
+    work: dict
+    pieces: int
+    length: int
+
+
+def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) -> SweepTraffic:
+    """The windows a sweep's passes read and the forward they recompute, slab by slab, as ``sweep_calls`` runs
+    them: pass A recomputes every unit on its slab's rows, pass B_j convolution j on the rows its input gradient
+    reads (``[s0 - h, s1 + h)``) and the units below it on rows widened by each convolution's halo."""
+    units = sweep.units
+    first = units[0][0]
+    length = slabs[first].length
+    bounds = sweeps.sweep_bounds([slabs[c] for c, _, _ in units] + [slabs[b] for _, b, _ in units])
+    tensors, concatenated = read_parts(calls, first, parts, batch_size)
+    row = list(offloaded[first]) * len(tensors) if concatenated else list(offloaded[first])
+    inputs = [(k, s) for (k, s, _), off in zip(tensors, row) if off]
+    costs = {i: call_cost(calls[i], batch_size) for i in sweep.calls}
+    reads, work = {}, {}
+
+    def recompute(owner, j, a, b):
+        """Unit j's output rows [a, b) recomputed (j = 0: the run's input rows read)."""
+        if j == 0:
+            for key, _ in inputs:
+                reads[(owner, key)] = reads.get((owner, key), 0) + (b - a)
+            return
+        conv, bn, act = units[j - 1]
+        h = slabs[conv].halo
+        w = work.setdefault(owner, [0.0, 0.0])
+        w[0] += costs[conv].forward_flops * (b - a) / length
+        w[1] += (costs[bn].forward_bytes + costs[act].forward_bytes + costs[conv].forward_bytes) * (b - a) / length
+        recompute(owner, j - 1, max(0, a - h), min(length, b + h))
+
+    m = len(units)
+    for s0, s1 in bounds:
+        recompute(units[-1][2], m, s0, s1)  # pass A
+        for j in range(m, 0, -1):  # pass B_j: convolution j on the rows [s0 - h, s1 + h), the units below wider
+            conv, bn, _ = units[j - 1]
+            h = slabs[conv].halo
+            g0, g1 = max(0, s0 - h), min(length, s1 + h)
+            recompute(bn, j, g0, g1)
+            # the weight gradient over those rows too (an exact-row slab backward: the slab's rows only)
+            work[bn][0] += costs[conv].weight_gradient_flops * ((g1 - g0) - (s1 - s0)) / length
+    sizes = dict(inputs)
+    out = tuple((owner, key, sizes[key], rows, len(bounds)) for (owner, key), rows in sorted(reads.items()))
+    return SweepTraffic(first, frozenset(sweep.calls), tuple(inputs), out, work, len(bounds), length)

@@ -24,6 +24,7 @@ from keras_lms.offload.tensorflow.record import (
     host_op,
 )
 from keras_lms.offload.tensorflow.slab_calls import SlabCalls
+from keras_lms.offload.tensorflow.sweep_calls import SweepCalls
 from keras_lms.offload.tensorflow.tracing import TENSOR_FACTS
 from keras_lms.planning import layer_facts
 from keras_lms.planning.plan import tensor_bytes
@@ -36,7 +37,7 @@ class _Reader(typing.NamedTuple):
     compute_device: str | None
 
 
-class StepContext(SlabCalls, common.InterceptingContext):
+class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode.
 
     Lives as long as the backward pass of that step needs it (the gradient functions close over it).
@@ -221,6 +222,8 @@ class StepContext(SlabCalls, common.InterceptingContext):
         if record.output_key is not None:
             self.output_records[record.output_key] = record
         self._note_outputs(unit, tensors, outputs)
+        if decision.sweep is not None and index == decision.sweep[-1] and not self.eager:
+            self._bind_sweep(decision.sweep)
         return outputs
 
     def _chain(self, decision, plan, tensors, concatenated):
@@ -279,6 +282,8 @@ class StepContext(SlabCalls, common.InterceptingContext):
             with _on_device(device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
+        if record.sweep is not None:
+            return self._sweep_backward(record, upstream[0], trigger, foreign_variables)
         if record.fused_gradient is not None:
             # an activation of a fused chain: its consumer's backward took its gradient (slab_chains), from the
             # same upstream gradient (it is the only consumer)

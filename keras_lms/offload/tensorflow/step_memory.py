@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs
+from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs, sweeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.memory_model import variable_bytes
@@ -176,6 +176,16 @@ class TensorFlowFacts(BackendFacts):
 
     def fused_slab_chains(self, calls, offloaded, slabs: dict) -> dict:
         return slab_chains.fused_chains(calls, offloaded, slabs, self)
+
+    def slab_sweeps(self, calls, offloaded, slabs: dict) -> list:
+        return sweeps.level_sweeps(calls, offloaded, slabs, self)
+
+    def forced_sweeps(self) -> bool:
+        return sweeps.FORCED
+
+    def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
+        return slab_costs.sweep_traffic(calls, sweep, slabs, offloaded, concatenation_parts(calls, batch_size),
+                                        batch_size)
 
     def recompute_sources(self, calls, offloaded, slabs: dict, chains: dict, batch_size: int) -> dict:
         if not slabs:

@@ -1,0 +1,132 @@
+"""Level sweeps: a run of ``convolution -> BatchNormalization -> activation`` units differentiated in passes over
+slab windows, every pass recomputing the units' forward from the run's one saved input (TensorFlow back end).
+
+Why: a slab-computed step reads every tensor of a U-Net level back (or recomputes it) once per backward that
+reads it: BatchNormalization twice (its two passes), the convolution after it once, the activation once, and a
+recomputed tensor recomputes its whole chain at each of those reads. At 384^3 float32 that recomputed the
+level-0 encoder's second convolution 11.6 times per step (docs/design.md, "Why sweeps"). A sweep reads only
+the level's input (a pooled tensor, a concatenation's parts, the image) and recomputes the rest once per pass,
+and each pass serves every backward that needs those windows.
+
+The passes, for units ``(conv_j, bn_j, act_j)``, j = 1..m, ``c_j`` the convolution's output, ``r_j`` the
+activation's, ``G_j`` the gradient of BatchNorm j's output:
+
+* pass A (in ``act_m``'s backward): per slab, recompute ``c_m`` and ``r_m`` rows from the input's window, take
+  ``G_m`` rows from the activation's gradient, and BatchNorm m's first pass (the gradient of its batch mean and
+  variance, and of its scale and offset, summed over slabs);
+* pass B_j (in ``bn_j``'s backward, j = m..1): per slab, recompute ``c_j``'s rows with the convolution's halo,
+  apply BatchNorm j's second pass to them (``dc_j``), differentiate the convolution exactly as an exact-row slab
+  does (``slab_rows``: weights from ``dc_j``'s own rows, the input gradient as a transposed convolution), then,
+  for j > 1, the activation j-1's gradient (``G_{j-1}`` rows) and BatchNorm j-1's first pass on the same
+  recomputed windows; for j = 1 the gradient of the run's input.
+
+Only the gradients between passes are whole tensors (``G_j``, as a BatchNorm's slab backward holds its
+upstream gradient today); every activation is a window. The other backwards of the run return what the passes
+handed them (``SweepRun``): the convolution its weight and input gradients, BatchNorm its scale and offset
+gradients, an inner activation ``G_j``. The values are the slab backward's: the windows are recomputed with the
+forward's batch statistics and weight snapshot, and Dropout (not local) ends a run.
+
+This module finds the runs that can be swept, from the traced calls alone; the planner chooses among them by
+the predicted step time on the device profile (``budget``: only with ``device_profile``), records its choice on
+the plan (``PlanEntry.sweep``) and ``sweep_calls`` runs them. ``ENABLED = False`` offers none (for comparisons);
+``FORCED = True`` sweeps every candidate, with or without a profile (the tests' and benchmarks' switch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_lms.offload.tensorflow.slab_plan import slab_bounds
+from keras_lms.planning import layer_facts
+from keras_lms.planning.plan import call_graph
+
+ENABLED = True
+FORCED = False
+MAX_UNITS = 2  # units per run: pass B_j recomputes units 1..j, so the recompute grows as m^2 (a U-Net level: 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """One run of units ``((conv, bn, act), ...)`` (call indices, forward order) differentiated in passes."""
+
+    units: tuple
+
+    @property
+    def calls(self) -> tuple:
+        return tuple(i for unit in self.units for i in unit)
+
+    @property
+    def first(self) -> int:
+        return self.units[0][0]
+
+    @property
+    def last(self) -> int:
+        return self.units[-1][2]
+
+
+def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
+    """The runs of units a sweep can differentiate (module docstring), from the traced calls, the per-call
+    offload decisions and the slab plans; empty when ``ENABLED`` is off."""
+    if not ENABLED or not slabs:
+        return []
+    _, consumers = call_graph(calls)
+    units = {}
+    for v in sorted(slabs):
+        unit = _unit(calls, v, offloaded, slabs, consumers, facts)
+        if unit is not None:
+            units[v] = unit
+    following = {}
+    for v, (_, _, a) in units.items():
+        nxt = consumers.get(calls[a].output_keys[0], [])
+        if len(nxt) == 1 and nxt[0] in units:
+            following[v] = nxt[0]
+    starts = [v for v in units if v not in following.values()]
+    runs = []
+    for v in starts:
+        chain = [v]
+        while chain[-1] in following:
+            chain.append(following[chain[-1]])
+        for k in range(0, len(chain), MAX_UNITS):
+            runs.append(Sweep(tuple(units[c] for c in chain[k:k + MAX_UNITS])))
+    return runs
+
+
+def _unit(calls, v: int, offloaded, slabs: dict, consumers: dict, facts):
+    """``(conv, bn, act)`` when call ``v`` is an exact-row convolution whose output only a slab BatchNorm reads,
+    whose output only an activation differentiated from its output reads; else None."""
+    plan, conv = slabs[v], calls[v]
+    if (plan.moments or not plan.exact_rows or len(conv.output_keys) != 1 or not any(offloaded[v])
+            or not layer_facts.is_keras_class(conv.unit, layer_facts.CONV_LAYERS)):
+        return None
+    readers = consumers.get(conv.output_keys[0], [])
+    if len(readers) != 1 or readers[0] not in slabs:
+        return None
+    b = readers[0]
+    bn = calls[b]
+    if (not slabs[b].moments or slabs[b].length != plan.length or not any(offloaded[b]) or len(bn.keys) != 1
+            or len(bn.output_keys) != 1 or getattr(bn.unit, "activity_regularizer", None) is not None):
+        return None
+    readers = consumers.get(bn.output_keys[0], [])
+    if len(readers) != 1:
+        return None
+    a = readers[0]
+    act = calls[a]
+    if (len(act.keys) != 1 or len(act.output_keys) != 1 or facts.output_gradient_activation(act.unit) is None
+            or getattr(act.unit, "trainable_variables", None)
+            or getattr(act.unit, "activity_regularizer", None) is not None):
+        return None
+    return v, b, a
+
+
+# A pass holds the windows of every unit it recomputes at once (the run's input, each unit's convolution and
+# BatchNorm outputs, widened by the halos below them), where a per-call slab backward holds one call's: at the
+# 3D U-Net's slab size that raised the simulated peak at 400^3 float32 from 15.80 to 16.28 GiB. A sweep's
+# windows are this many times thinner than its units' slabs.
+WINDOW_DIVISOR = 2
+
+
+def sweep_bounds(plans) -> tuple:
+    """The slab bounds a run sweeps with: ``WINDOW_DIVISOR`` times as many as its units' plan with the most
+    slabs (the smallest windows), at most one row each."""
+    densest = max(plans, key=lambda p: p.count)
+    return slab_bounds(densest.length, min(densest.length, densest.count * WINDOW_DIVISOR))

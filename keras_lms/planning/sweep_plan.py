@@ -1,0 +1,88 @@
+"""Which level sweeps a plan runs (TensorFlow's ``offload.tensorflow.sweeps``: runs of convolution ->
+BatchNormalization -> activation units differentiated in passes over slab windows recomputed from the run's
+input), chosen by the predicted step time on the device profile and recorded on the plan (``PlanEntry.sweep``).
+
+Why a choice and not always: a sweep trades host-link bytes (only the run's input comes back) for recomputed
+forward work (each unit once per pass that needs it). On a PCIe GPU that pays at every slab-computed level of a
+3D U-Net; on GH200 the copies are cheaper than the recompute and none does. Without a profile nothing is swept.
+"""
+
+from __future__ import annotations
+
+from keras_lms.planning.plan import planned_slab_bytes, planned_sweeps
+from keras_lms.planning.recompute import recomputed_producers
+from keras_lms.planning.step_time import predict_step_time
+
+
+def plan_sweeps(calls, entries, config, facts, batch_size: int) -> None:
+    """Choose the level sweeps to run (``BackendFacts.slab_sweeps``): with a device profile, greedily in forward
+    order, each one that shortens the predicted step (nothing recomputed yet; ``refine_sweeps`` revisits them
+    once the recomputed tensors are chosen); every candidate where the back end forces them; none otherwise (the
+    defaults without a profile stay the per-call backward). Recorded on the entries (``PlanEntry.sweep``)."""
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes = planned_slab_bytes(entries)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
+    candidates = facts.slab_sweeps(calls, offloaded, slabs) if slabs else []
+    if not candidates or not (facts.forced_sweeps() or config.device_profile is not None):
+        return
+    if facts.forced_sweeps():
+        chosen = frozenset(s.first for s in candidates)
+    else:
+        def seconds(swept):
+            return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                                     slab_bytes, config.lean_normalization, frozenset(), swept).step_seconds
+
+        chosen, best = frozenset(), seconds(frozenset())
+        for sweep in candidates:
+            t = seconds(chosen | {sweep.first})
+            if t < best:
+                chosen, best = chosen | {sweep.first}, t
+    _mark_sweeps(calls, entries, candidates, chosen, config)
+
+
+def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
+    """With the recomputed tensors chosen, flip each candidate sweep once (on or off) where that shortens the
+    predicted step: a sweep's passes read its input's windows, whose cost depends on whether that input is
+    recomputed."""
+    if facts.forced_sweeps():
+        return
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes = planned_slab_bytes(entries)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
+    candidates = facts.slab_sweeps(calls, offloaded, slabs) if slabs else []
+    if not candidates:
+        return
+    recomputed = recomputed_producers(entries)
+
+    def seconds(swept):
+        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                                 slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
+
+    chosen = planned_sweeps(entries)
+    best = seconds(chosen)
+    for sweep in candidates:
+        trial = chosen - {sweep.first} if sweep.first in chosen else chosen | {sweep.first}
+        t = seconds(trial)
+        if t < best - 1e-9:
+            chosen, best = trial, t
+    if chosen != planned_sweeps(entries):
+        _mark_sweeps(calls, entries, candidates, chosen, config)
+
+
+_SWEEP_NOTE = "; differentiated in a level sweep"
+
+
+def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
+    for entry in entries:
+        if entry.sweep is not None:
+            entry.sweep = None
+            entry.reason = entry.reason.split(_SWEEP_NOTE)[0]
+    why = f"faster on {config.device_profile.name}" if config.device_profile is not None else "forced"
+    for sweep in candidates:
+        if sweep.first not in chosen:
+            continue
+        names = ", ".join(calls[i].unit.name for i in sweep.calls)
+        for i in sweep.calls:
+            entries[i].sweep = sweep.calls
+            entries[i].reason += (f"{_SWEEP_NOTE} ({names}): {len(sweep.units) + 1} passes over slab windows "
+                                  f"recomputed from {calls[sweep.first].unit.name}'s input ({why})")

@@ -1,0 +1,182 @@
+"""Level sweeps (keras_lms/offload/tensorflow/sweeps.py, sweep_calls.py): runs of Conv -> BatchNorm -> ReLU units
+differentiated in passes over slab windows recomputed from the run's input, against the plain model on the same
+weights and seeds. The bytes and convolution FLOPs they move and recompute are measured in the executed graph by
+tests/offload/tensorflow/test_link_traffic.py (the time-aware cases sweep; their "no sweeps" controls do not)."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+
+import keras_lms
+from benchmarks.models import build_unet
+from keras_lms.offload.tensorflow import sweep_calls, sweeps
+from keras_lms.offload.tensorflow.step_memory import FACTS
+from tests.offload.tensorflow.test_slabs import MIXED_X, MIXED_Y, SLAB, SLAB_TOL, _fit_one_step, _norm, bn_unet2d
+from tests.oracle import compare_step, snapshot
+
+pytestmark = pytest.mark.tensorflow(reason="sweeps are the TensorFlow back end's slab mechanism")
+
+
+def unet2d_biased(size=32, filters=4):
+    """build_unet's blocks (Conv with bias -> BatchNorm -> ReLU -> Conv with a fused relu): one unit per level
+    (m = 1), Dropout after the bottleneck (not local: it ends a run). 2D, because TensorFlow's CPU MaxPool3D
+    has no float64 kernel; its own head (build_unet's is float32 in every policy)."""
+    layers = keras.layers
+
+    def block(x, f):
+        x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(f, 3, padding="same")(x)))
+        return layers.Conv2D(f, 3, padding="same", activation="relu")(x)
+
+    inp = keras.Input((size, size, 1))
+    skip = block(inp, filters)
+    x = layers.Dropout(0.2)(block(layers.MaxPooling2D()(skip), 2 * filters))
+    x = layers.Conv2DTranspose(filters, 2, strides=2, padding="same")(x)
+    x = block(layers.Concatenate()([x, skip]), filters)
+    return keras.Model(inp, layers.Conv2D(1, 1, activation="sigmoid")(x))
+
+
+CASES = {  # name -> (model, input, slab size, units per run)
+    "unet2d_two_units": (bn_unet2d, lambda: np.random.default_rng(3).random((4, 32, 32, 1)), SLAB, 2),
+    "unet2d_one_unit_bias_dropout": (unet2d_biased, lambda: np.random.default_rng(0).random((4, 32, 32, 1)),
+                                     SLAB, 1),
+}
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts the passes that ran (A: the last activation's backward; B: each BatchNorm's)."""
+    seen = collections.Counter()
+    first, second = sweep_calls.SweepCalls._sweep_first_pass, sweep_calls.SweepCalls._sweep_second_pass
+
+    def spy_first(self, run, *args):
+        seen["A"] += 1
+        seen["units"] = max(seen["units"], run.size)
+        return first(self, run, *args)
+
+    def spy_second(self, *args):
+        seen["B"] += 1
+        return second(self, *args)
+
+    monkeypatch.setattr(sweep_calls.SweepCalls, "_sweep_first_pass", spy_first)
+    monkeypatch.setattr(sweep_calls.SweepCalls, "_sweep_second_pass", spy_second)
+    return seen
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setattr(sweeps, "FORCED", True)
+
+
+def swept_runs(plan) -> set:
+    return {e.sweep for e in plan if e.sweep is not None}
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+@pytest.mark.parametrize("name", CASES)
+def test_sweeps_are_exact_in_float64(name, dtype_policy, forced, passes):
+    build, data, slab, units = CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=slab)
+    runs = swept_runs(wrapped.plan(batch_size=len(data())))
+    assert len(runs) >= 2 and {len(r) for r in runs} == {3 * units}, runs
+    result = compare_step(model, wrapped, data())
+    # ran: one pass A per run, one pass B per BatchNorm (the control below runs none)
+    assert passes["A"] == len(runs) and passes["B"] == len(runs) * units and passes["units"] == units, passes
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+    assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
+
+
+def test_no_sweep_without_a_profile_or_when_disabled(passes, monkeypatch):
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    assert not swept_runs(keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB).plan(batch_size=4))
+    monkeypatch.setattr(sweeps, "ENABLED", False)
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB, device_profile="h100-pcie5")
+    assert not swept_runs(wrapped.plan(batch_size=4))
+    compare_step(model, wrapped, np.random.default_rng(3).random((4, 32, 32, 1)))
+    assert passes["A"] == passes["B"] == 0  # the control: the per-call slab backward ran
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sweeps_match_the_plain_model_in_float32(name, forced, passes):
+    build, data, slab, _ = CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    result = compare_step(model, keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=slab), data())
+    assert passes["A"] >= 2
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+    assert result["loss"] <= 1e-6
+
+
+def test_the_planner_sweeps_on_a_pcie_profile():
+    """The time-aware plan sweeps the slab-computed levels where that shortens the predicted step on
+    H100-PCIe5 (recomputing from the level's input costs less than the host link), and says so per call."""
+    keras.utils.set_random_seed(0)
+    wrapped = keras_lms.wrap(bn_unet2d(), min_bytes=0, keep_last=0, slab_bytes=SLAB, device_profile="h100-pcie5")
+    plan = wrapped.plan(batch_size=4)
+    runs = swept_runs(plan)
+    assert runs, plan
+    for run in runs:
+        classes = [plan[i].layer_class for i in run]
+        assert classes == ["Conv2D", "BatchNormalization", "ReLU"] * (len(run) // 3)
+        assert all("level sweep" in plan[i].reason and "h100-pcie5" in plan[i].reason for i in run)
+
+
+def test_only_the_runs_input_comes_back_for_a_sweep(forced):
+    """The traffic model: a swept run's calls bring nothing back for their own backward; the passes read the
+    run's input windows (charged to the last activation and the BatchNorms), and fewer bytes in all."""
+    keras.utils.set_random_seed(0)
+    wrapped = keras_lms.wrap(bn_unet2d(), min_bytes=0, keep_last=0, slab_bytes=SLAB)
+    report = keras_lms.report(wrapped, batch_size=4, input_shape=(32, 32, 1))
+    plan = wrapped.plan(batch_size=4)
+    runs = sorted(swept_runs(plan))
+    assert runs
+    by_layer = {r["layer"]: r for r in report.rows}
+    for run in runs:
+        conv1, bn1, act1, conv2, bn2, act2 = (plan[i] for i in run)
+        for entry in (conv1, act1, conv2):  # (conv1's forward may read a skip's windows: none here but up0)
+            assert by_layer[entry.layer]["host_to_device_bytes"] == 0 or entry is conv1, entry
+        assert by_layer[act2.layer]["host_to_device_bytes"] > 0  # pass A reads the input's windows
+        assert by_layer[bn1.layer]["host_to_device_bytes"] > 0 and by_layer[bn2.layer]["host_to_device_bytes"] > 0
+
+
+def test_mixed_precision_sweeps_add_no_error_beyond_float16(mixed_precision, forced, passes):
+    """Against the same step in float32 (no Dropout), the swept float16 step is as close as the plain float16
+    step, as slabs are (tests/offload/tensorflow/test_slabs.py)."""
+    build = lambda: build_unet((32, 32, 1), depth=2, base_filters=4, dropout=0.0)  # noqa: E731
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    reference_model = build()
+    start = snapshot(reference_model)
+    _, reference = _fit_one_step(reference_model, reference_model, MIXED_X, MIXED_Y, start)
+    keras.config.set_dtype_policy("mixed_float16")
+    model = build()
+    _, plain = _fit_one_step(model, model, MIXED_X, MIXED_Y, start)
+    _, swept = _fit_one_step(model, keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB), MIXED_X,
+                             MIXED_Y, start)
+    assert passes["A"] >= 1
+    scale = _norm(reference)
+    plain_error = _norm([p - r for p, r in zip(plain, reference)]) / scale
+    swept_error = _norm([w - r for w, r in zip(swept, reference)]) / scale
+    assert 0 < plain_error < 0.1 and swept_error <= 1.25 * plain_error, (plain_error, swept_error)
+
+
+def test_sweep_candidates_need_exact_row_convolutions_and_single_readers(forced):
+    """Where a run stops: a BatchNorm whose output a second layer reads, a fused activation, Dropout."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 2))
+    c = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inp)
+    b = keras.layers.BatchNormalization()(c)
+    r = keras.layers.ReLU()(b)
+    side = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(r)  # fused activation: no unit
+    c2 = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(side)
+    b2 = keras.layers.BatchNormalization()(c2)
+    out = keras.layers.Add()([keras.layers.ReLU()(b2), b2])  # b2 read twice: no unit
+    model = keras.Model(inp, keras.layers.GlobalAveragePooling2D()(out))
+    plan = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="4KiB").plan(batch_size=2)
+    runs = swept_runs(plan)
+    assert [[plan[i].layer_class for i in run] for run in runs] == [["Conv2D", "BatchNormalization", "ReLU"]]
+    assert FACTS.forced_sweeps() is True
