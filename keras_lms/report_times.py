@@ -13,7 +13,8 @@ def plan_times(step, profile) -> dict:
     The plain step has infinite memory (nothing copied, nothing recomputed): the reference every plan's time is
     set against. The corners of the planner's search: "offload-only" (every eligible tensor copied, nothing
     recomputed: keras-lms before the time-aware plan) and, where the back end can recompute tensors in windows,
-    "recompute-all" (the plan's offload decisions with every candidate tensor recomputed instead of copied).
+    "recompute-all" (the plan's offload decisions and level sweeps with every candidate tensor recomputed instead
+    of copied).
     A recompute-only plan without the host link at all is not listed: the recompute chains start from host
     copies (the input, a convolution's input), and the device-resident checkpoints a link-free plan would need
     are what does not fit in the first place.

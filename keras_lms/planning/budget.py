@@ -19,7 +19,7 @@ from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, planned_sweeps, tensor_bytes
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
-from keras_lms.planning.sweep_plan import plan_sweeps, refine_sweeps
+from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweeps, refine_sweeps
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
         refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+    note_swept_host_bytes(entries)
     return entries
 
 

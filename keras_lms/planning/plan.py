@@ -69,9 +69,10 @@ class PlanEntry:
     @property
     def decision(self) -> str:
         """``keep`` (nothing of this call goes to host), ``copy`` (inputs copied to host and back) or
-        ``recompute`` (its input is recomputed from another call's host copy: ``recompute_from``, or from the
+        ``recompute`` (its input is recomputed: in a level sweep's passes, ``sweep``, but for the run's first call,
+        which copies the run's input; from another call's host copy: ``recompute_from``, or from the
         inputs of the calls in ``recomputed_inputs``)."""
-        if self.recompute_from is not None or self.recomputed_inputs:
+        if self.recompute_from is not None or self.recomputed_inputs or (self.sweep and self.index != self.sweep[0]):
             return "recompute"
         return "copy" if self.offloaded else "keep"
 

@@ -72,6 +72,18 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
 _SWEEP_NOTE = "; differentiated in a level sweep"
 
 
+def note_swept_host_bytes(entries) -> None:
+    """A swept run's calls but its first copy nothing to host: the copies of the tensors inside the run have no
+    reader (the passes recompute them) and TensorFlow prunes them, so they hold no host memory. (Not a BatchNorm
+    whose input copy a fused chain outside its run reads: a run longer than ``sweeps.MAX_UNITS`` units goes on
+    in the next run, whose first convolution recomputes its input from that copy.)"""
+    read_outside = {e.recompute_from[0] for e in entries
+                    if e.recompute_from is not None and not (e.sweep and e.recompute_from[0] in e.sweep)}
+    for entry in entries:
+        if entry.sweep and entry.index != entry.sweep[0] and entry.index not in read_outside:
+            entry.offloaded_bytes = entry.new_host_bytes = 0
+
+
 def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
     for entry in entries:
         if entry.sweep is not None:

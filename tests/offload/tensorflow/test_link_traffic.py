@@ -86,16 +86,19 @@ def test_exact_row_convolutions_convolve_no_halo_in_the_executed_graph(rows):
 
 
 def test_level_sweeps_move_less_in_the_executed_graph(rows):
-    """sweeps: the time-aware plans on H100-PCIe5 sweep their slab-computed levels (passes over windows recomputed
-    from each level's input), beside the same plans with no sweep offered. Measured: 3D -15% and 2D -11% of the
-    bytes over the link, for +28% / -6% of recomputed convolution FLOPs; the report within 10% of both (above)."""
+    """sweeps: the time-aware plans on H100-PCIe5 sweep slab-computed levels (passes over windows recomputed from
+    each level's input), beside the same plans with no sweep offered. Measured (windows half a slab thick,
+    sweeps.WINDOW_DIVISOR): 3D 12 of its 18 candidate calls swept, -2.7% of the bytes over the link for +5% of
+    recomputed convolution FLOPs; 2D all 18, -5.9% for +3%. (With full-thickness windows all were swept in both:
+    -15% / -11%.) The report is within 10% of both, bytes and FLOPs (the tests above)."""
     by_case = {r["case"]: r for r in rows}
     for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
         swept = by_case[f"{model}, recomputed (h100-pcie5)"]
         control = by_case[f"{model}, recomputed (h100-pcie5), no sweeps"]
         assert swept["swept"] >= 12 and control["swept"] == 0, (swept, control)
+        assert swept["measured_out"] <= control["measured_out"], (swept, control)
         total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
-        assert total(swept) < 0.92 * total(control), (swept, control)
+        assert total(swept) < 0.98 * total(control), (swept, control)
 
 
 def test_step_time_benchmark_smoke(tmp_path):

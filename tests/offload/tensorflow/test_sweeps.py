@@ -123,6 +123,8 @@ def test_the_planner_sweeps_on_a_pcie_profile():
         classes = [plan[i].layer_class for i in run]
         assert classes == ["Conv2D", "BatchNormalization", "ReLU"] * (len(run) // 3)
         assert all("level sweep" in plan[i].reason and "h100-pcie5" in plan[i].reason for i in run)
+        # inside the run nothing is copied: its calls' activations are recomputed in the passes
+        assert all(plan[i].decision == "recompute" and plan[i].new_host_bytes == 0 for i in run[1:]), plan
 
 
 def test_only_the_runs_input_comes_back_for_a_sweep(forced):
@@ -180,3 +182,37 @@ def test_sweep_candidates_need_exact_row_convolutions_and_single_readers(forced)
     runs = swept_runs(plan)
     assert [[plan[i].layer_class for i in run] for run in runs] == [["Conv2D", "BatchNormalization", "ReLU"]]
     assert FACTS.forced_sweeps() is True
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+def test_a_long_run_is_split_and_stays_exact(dtype_policy, forced, passes):
+    """Three units in a row: a run of two (sweeps.MAX_UNITS) and one of one, whose first convolution recomputes
+    its input from the first run's last BatchNorm input copy (a fused chain across the runs)."""
+    keras.utils.set_random_seed(0)
+    x = inp = keras.Input((32, 32, 2))
+    for _ in range(3):
+        x = keras.layers.ReLU()(keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3, padding="same")(x)))
+    model = keras.Model(inp, keras.layers.Conv2D(1, 1)(x))
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="8KiB")
+    plan = wrapped.plan(batch_size=2)
+    assert sorted(len(r) for r in swept_runs(plan)) == [3, 6], plan
+    between = [e for e in plan if e.recompute_from is not None and not (e.sweep and e.recompute_from[0] in e.sweep)]
+    assert between and all(plan[e.recompute_from[0]].new_host_bytes > 0 for e in between)  # that copy is read
+    result = compare_step(model, wrapped, np.random.default_rng(1).random((2, 32, 32, 2)))
+    assert passes["A"] == 2 and passes["B"] == 3, passes
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+
+
+def test_a_run_the_step_cannot_sweep_falls_back_with_a_warning(forced, passes, monkeypatch, caplog):
+    """If the traced step lacks what the passes need (here: forced), the run's calls keep their per-call slab
+    backward, the step stays right, and the log says why."""
+    monkeypatch.setattr(sweep_calls, "_unsweepable", lambda records: "a reason for the test")
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
+    assert swept_runs(wrapped.plan(batch_size=4))
+    with caplog.at_level("WARNING", logger="keras_lms.offload.tensorflow.sweep_calls"):
+        result = compare_step(model, wrapped, np.random.default_rng(3).random((4, 32, 32, 1)).astype("float32"))
+    assert passes["A"] == passes["B"] == 0
+    assert "runs call by call instead: a reason for the test" in caplog.text
+    assert max(result["grads"].values()) <= SLAB_TOL, result

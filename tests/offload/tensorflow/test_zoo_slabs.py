@@ -1,7 +1,8 @@
-"""Slabs, fused chains and recomputed tensors forced on across real architectures (keras.applications,
+"""Slabs, fused chains, recomputed tensors and level sweeps forced on across real architectures (keras.applications,
 weights=None, small inputs), against the plain model: the oracle of tests/test_applications.py with every
 full-resolution call cut into 8 KiB slabs and the time-aware plan on a PCIe profile (so that tensors are
-recomputed in windows instead of copied).
+recomputed in windows instead of copied), with every Conv -> BatchNorm -> ReLU run swept (sweeps.FORCED: at these
+sizes the planner would sweep none).
 
 Float64, because slabs change the order of sums (batch statistics, weight gradients), and two of these models are
 ill-conditioned at these input sizes: a relative input change of 1e-15 moves ResNet50's float64 output by 8e-8
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import keras_lms
+from keras_lms.offload.tensorflow import sweeps
 from tests import models
 from tests.oracle import compare_step
 
@@ -37,7 +39,8 @@ def _sensitivity(model, x) -> float:
 
 @pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
 @pytest.mark.parametrize("name", MODELS)
-def test_zoo_with_slabs_and_recompute_matches_plain(name, dtype_policy):
+def test_zoo_with_slabs_and_recompute_matches_plain(name, dtype_policy, monkeypatch):
+    monkeypatch.setattr(sweeps, "FORCED", True)
     build, size, _, _ = models.APPLICATIONS[name]
     keras.utils.set_random_seed(0)
     model = build()
@@ -51,9 +54,13 @@ def test_zoo_with_slabs_and_recompute_matches_plain(name, dtype_policy):
     slabbed = sum("slabs" in e.reason for e in plan)
     recomputed = sum(e.recomputed_output for e in plan) + sum(e.decision == "recompute" for e in plan)
     assert slabbed >= 15 and recomputed >= 4, (slabbed, recomputed)  # the mechanisms under test are on
+    swept = sum(e.sweep is not None for e in plan)
+    if name == "ResNet50":  # each bottleneck block's 3x3 Conv -> BatchNorm -> ReLU (its 1x1 convolutions are
+        assert swept >= 30, plan  # "valid", not exact-row slabs); MobileNetV2's ReLU6 and VGG16 have no unit
     tol = max(1e-10, SAFETY * sensitivity)
     result = compare_step(model, wrapped, x)
-    print(f"{name}: {slabbed} slab calls, {recomputed} recompute decisions, sensitivity {sensitivity:.1e}, "
+    print(f"{name}: {slabbed} slab calls, {recomputed} recompute decisions, {swept} swept calls, "
+          f"sensitivity {sensitivity:.1e}, "
           f"loss {result['loss']:.1e}, grads {max(result['grads'].values()):.1e}")
     assert result["loss"] <= tol, (result["loss"], tol)
     worst = sorted(result["grads"].items(), key=lambda kv: -kv[1])[:3]
