@@ -69,9 +69,6 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
         _mark_sweeps(calls, entries, candidates, chosen, config)
 
 
-_SWEEP_NOTE = "; differentiated in a level sweep"
-
-
 def note_swept_host_bytes(entries) -> None:
     """A swept run's calls but its first copy nothing to host: the copies of the tensors inside the run have no
     reader (the passes recompute them) and TensorFlow prunes them, so they hold no host memory. (Not a BatchNorm
@@ -85,16 +82,18 @@ def note_swept_host_bytes(entries) -> None:
 
 
 def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
-    for entry in entries:
-        if entry.sweep is not None:
-            entry.sweep = None
-            entry.reason = entry.reason.split(_SWEEP_NOTE)[0]
+    """Record ``chosen`` on the entries: each swept call's ``sweep`` and a note in its reason. A run marked
+    before and not chosen now loses its note alone (``refine_sweeps`` runs after the recompute notes were added
+    behind it)."""
     why = f"faster on {config.device_profile.name}" if config.device_profile is not None else "forced"
     for sweep in candidates:
-        if sweep.first not in chosen:
-            continue
         names = ", ".join(calls[i].unit.name for i in sweep.calls)
+        note = (f"; differentiated in a level sweep ({names}): {len(sweep.units) + 1} passes over slab windows "
+                f"recomputed from {calls[sweep.first].unit.name}'s input ({why})")
         for i in sweep.calls:
-            entries[i].sweep = sweep.calls
-            entries[i].reason += (f"{_SWEEP_NOTE} ({names}): {len(sweep.units) + 1} passes over slab windows "
-                                  f"recomputed from {calls[sweep.first].unit.name}'s input ({why})")
+            if entries[i].sweep is not None:
+                entries[i].sweep = None
+                entries[i].reason = entries[i].reason.replace(note, "")
+            if sweep.first in chosen:
+                entries[i].sweep = sweep.calls
+                entries[i].reason += note

@@ -216,3 +216,24 @@ def test_a_run_the_step_cannot_sweep_falls_back_with_a_warning(forced, passes, m
     assert passes["A"] == passes["B"] == 0
     assert "runs call by call instead: a reason for the test" in caplog.text
     assert max(result["grads"].values()) <= SLAB_TOL, result
+
+
+def test_unmarking_a_run_keeps_the_reasons_added_after_it():
+    """refine_sweeps may turn a run off after the recomputed tensors' notes were appended to the same reasons:
+    only the sweep's own note goes."""
+    from types import SimpleNamespace
+
+    from keras_lms.planning import sweep_plan
+    from keras_lms.planning.plan import PlanEntry
+
+    calls = [SimpleNamespace(unit=SimpleNamespace(name=n)) for n in ("conv", "bn", "relu")]
+    entries = [PlanEntry(i, c.unit.name, "X", [], [], 0, True, f"offloaded {i}") for i, c in enumerate(calls)]
+    run = sweeps.Sweep(((0, 1, 2),))
+    config = SimpleNamespace(device_profile=SimpleNamespace(name="h100-pcie5"))
+    sweep_plan._mark_sweeps(calls, entries, [run], frozenset({0}), config)
+    assert all(e.sweep == (0, 1, 2) and "level sweep" in e.reason for e in entries)
+    for e in entries:
+        e.reason += "; a later note"
+    sweep_plan._mark_sweeps(calls, entries, [run], frozenset(), config)
+    assert [e.reason for e in entries] == [f"offloaded {i}; a later note" for i in range(3)]
+    assert all(e.sweep is None for e in entries)
