@@ -150,9 +150,6 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
 
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
-    # a level sweep's calls run no forward again in their own backward: its passes recompute (traffic.work)
-    in_sweep = {i for sweep in facts.slab_sweeps(calls, offloaded, slabs) if sweep.first in swept
-                for i in sweep.calls} if swept and slabs else set()
     link = _Link(profile, facts.shared_copy_stream)
     plain = recompute = flops = extra_flops = 0.0
     pending = {}  # call index -> its backward's copy-back pieces, once issued
@@ -201,7 +198,8 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         run = 0.0 if i in elided else _compute_seconds(cost, profile, factor, backward=True)
         flops += cost.backward_flops
         extra = cost.backward_flops * (factor - 1) if i not in elided else 0.0
-        if any(offloaded[i]) and i not in elided and i not in in_sweep:
+        # (a level sweep's calls run no forward again in their own backward: its passes recompute, as traffic counts)
+        if any(offloaded[i]) and i not in elided and i not in traffic.swept_calls:
             redo = _recompute_seconds(cost, calls[i], facts, profile, lean_normalization)
             run += redo
             extra += cost.forward_flops if redo and cost.forward_flops else 0.0

@@ -19,19 +19,14 @@ def plan_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     order, each one that shortens the predicted step (nothing recomputed yet; ``refine_sweeps`` revisits them
     once the recomputed tensors are chosen); every candidate where the back end forces them; none otherwise (the
     defaults without a profile stay the per-call backward). Recorded on the entries (``PlanEntry.sweep``)."""
-    offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes = planned_slab_bytes(entries)
-    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
-    candidates = facts.slab_sweeps(calls, offloaded, slabs) if slabs else []
-    if not candidates or not (facts.forced_sweeps() or config.device_profile is not None):
+    if not (facts.forced_sweeps() or config.device_profile is not None):
+        return
+    candidates, seconds = _search(calls, entries, config, facts, batch_size, frozenset())
+    if not candidates:
         return
     if facts.forced_sweeps():
         chosen = frozenset(s.first for s in candidates)
     else:
-        def seconds(swept):
-            return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
-                                     slab_bytes, config.lean_normalization, frozenset(), swept).step_seconds
-
         chosen, best = frozenset(), seconds(frozenset())
         for sweep in candidates:
             t = seconds(chosen | {sweep.first})
@@ -46,18 +41,9 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     recomputed."""
     if facts.forced_sweeps():
         return
-    offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes = planned_slab_bytes(entries)
-    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
-    candidates = facts.slab_sweeps(calls, offloaded, slabs) if slabs else []
+    candidates, seconds = _search(calls, entries, config, facts, batch_size, recomputed_producers(entries))
     if not candidates:
         return
-    recomputed = recomputed_producers(entries)
-
-    def seconds(swept):
-        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
-                                 slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
-
     chosen = planned_sweeps(entries)
     best = seconds(chosen)
     for sweep in candidates:
@@ -67,6 +53,21 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
             chosen, best = trial, t
     if chosen != planned_sweeps(entries):
         _mark_sweeps(calls, entries, candidates, chosen, config)
+
+
+def _search(calls, entries, config, facts, batch_size: int, recomputed):
+    """The candidate sweeps of the plan's offload decisions and slabs, and ``seconds(swept)``: the predicted step
+    on the profile with ``recomputed`` and the sweeps whose first calls are ``swept``."""
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes = planned_slab_bytes(entries)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
+    candidates = facts.slab_sweeps(calls, offloaded, slabs) if slabs else []
+
+    def seconds(swept):
+        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                                 slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
+
+    return candidates, seconds
 
 
 def note_swept_host_bytes(entries) -> None:

@@ -45,6 +45,8 @@ class LinkTraffic:
             backward spend recomputing windows of tensors that were not copied (``planning.recompute``).
         forward_after / backward_after: the calls whose copies out call i's forward / backward copies back read
             (a host copy can come back only once it has gone out: the step-time model waits for them).
+        swept_calls: the calls of the level sweeps the plan runs, whose backward recomputes no forward of its own
+            (their passes' recompute is in ``backward_recompute``).
     """
 
     out_bytes: list
@@ -55,6 +57,7 @@ class LinkTraffic:
     backward_recompute: list = dataclasses.field(default_factory=list)
     forward_after: list = dataclasses.field(default_factory=list)
     backward_after: list = dataclasses.field(default_factory=list)
+    swept_calls: frozenset = frozenset()
 
     @property
     def device_to_host_bytes(self) -> int:
@@ -96,14 +99,15 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}
-    swept = [facts.sweep_traffic(calls, sweep, slabs, offloaded, batch_size)
-             for sweep in facts.slab_sweeps(calls, offloaded, slabs) if sweep.first in swept] if swept and slabs else []
-    sweep_of = {s.first: s for s in swept}
-    in_sweep = frozenset().union(*(s.members for s in swept))
+    sweep_costs = [facts.sweep_traffic(calls, sweep, slabs, offloaded, batch_size)
+                   for sweep in facts.slab_sweeps(calls, offloaded, slabs)
+                   if sweep.first in swept] if swept and slabs else []
+    sweep_of = {s.first: s for s in sweep_costs}
+    in_sweep = frozenset().union(*(s.members for s in sweep_costs))
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
     work = {"fwd": [[0.0, 0.0] for _ in range(n)], "bwd": [[0.0, 0.0] for _ in range(n)]}
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
-    for sweep in swept:  # a pass reads its windows one by one, like a slab backward
+    for sweep in sweep_costs:  # a pass reads its windows one by one, like a slab backward
         for owner, *_ in sweep.reads:
             pieces[owner] = sweep.pieces
     first_offload = {}  # key -> the first call (forward order) that offloads it
@@ -201,4 +205,4 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     after = {kind: [tuple(sorted({first_offload[key] for key in keys})) for keys in per_call]
              for kind, per_call in reads_of.items()}
     return LinkTraffic(out, fwd_in, bwd_in, pieces, [tuple(w) for w in work["fwd"]],
-                       [tuple(w) for w in work["bwd"]], after["fwd"], after["bwd"])
+                       [tuple(w) for w in work["bwd"]], after["fwd"], after["bwd"], in_sweep)

@@ -59,10 +59,6 @@ class Sweep:
     def first(self) -> int:
         return self.units[0][0]
 
-    @property
-    def last(self) -> int:
-        return self.units[-1][2]
-
 
 def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
     """The runs of units a sweep can differentiate (module docstring), from the traced calls, the per-call
