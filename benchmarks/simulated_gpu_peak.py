@@ -5,6 +5,8 @@
     python benchmarks/simulated_gpu_peak.py --max-cube   # largest 3D U-Net cube that fits 16 GiB (~10 min)
     python benchmarks/simulated_gpu_peak.py --max-cube --dtype-policy mixed_float16   # the same in mixed precision
     python benchmarks/simulated_gpu_peak.py --quick      # small models, forced offload: a smoke run (~40 s)
+    python benchmarks/simulated_gpu_peak.py --cube-edges 448 --device-profile h100-pcie5 --device-budget 16GiB \
+        --dtype-policy mixed_float16                     # one edge: simulated peak beside the report's (~1 min)
     python benchmarks/simulated_gpu_peak.py --like-for-like --plain-edges 240,256,272 --wrapped-edges 384,400
                                                          # grappler sees 16 GiB and swaps by itself, plain and
                                                          # wrapped; fits k/n over --repeat runs (~1 min per
@@ -244,6 +246,17 @@ def cube_peak(edge: int, batch: int, wrap_kwargs) -> int:
     return simulated_gpu.simulate(model, x_shape, y_shape, graph_memory=False).peak_bytes
 
 
+def cube_peak_beside_report(edge: int, batch: int, wrap_kwargs) -> dict:
+    """The wrapped 3D U-Net at ``edge``^3: its simulated peak, ``keras_lms.report``'s prediction of it and the
+    largest tensors live at the simulated peak (where in the step it is)."""
+    model = build(lambda: unet((edge, edge, edge, 1), 16))
+    x_shape, y_shape = shapes(model, batch)
+    wrapped = keras_lms.wrap(model, **wrap_kwargs)
+    sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
+    report = keras_lms.report(wrapped, batch_size=batch).totals["predicted_peak_bytes_wrapped"]
+    return dict(peak=sim.peak_bytes, report=report, live=[[size, name] for size, name in sim.gpu.live[:4]])
+
+
 def largest_cube(batch: int, wrap_kwargs, log, start: int = 64) -> tuple:
     """Largest edge (multiple of CUBE_STEP) whose simulated peak fits GPU_MEMORY: grow x1.5, then bisect.
 
@@ -378,13 +391,21 @@ def run(args, console, log) -> dict:
     if args.cube_edges:
         # the wrapped model (wrap's defaults, with --device-profile if given) at the listed edges only
         kwargs = wrap_variants(False, device_profile=args.device_profile)["wrapped"]
-        peaks = {}
+        if args.device_budget:
+            kwargs["device_budget"] = args.device_budget
+        peaks, reports = {}, {}
         for edge in (int(e) for e in args.cube_edges.split(",")):
-            peaks[edge] = cube_peak(edge, args.batch, kwargs)
+            found = cube_peak_beside_report(edge, args.batch, kwargs)
+            peaks[edge], reports[edge] = found["peak"], found["report"]
+            live = ", ".join(f"{name} {size / GIB:.2f}" for size, name in found["live"])
             log(f"  edge {edge}: {peaks[edge] / GIB:.2f} GiB "
-                f"{'fits' if peaks[edge] <= GPU_MEMORY else 'does not fit'} {GPU_MEMORY / GIB:.0f} GiB")
-        return {"cube_peaks": {str(k): v for k, v in peaks.items()}, "batch": args.batch,
-                "dtype_policy": args.dtype_policy, "device_profile": args.device_profile}
+                f"{'fits' if peaks[edge] <= GPU_MEMORY else 'does not fit'} {GPU_MEMORY / GIB:.0f} GiB; "
+                f"report {reports[edge] / GIB:.2f} GiB ({reports[edge] / peaks[edge] - 1:+.1%}); "
+                f"largest live at the peak: {live}")
+        return {"cube_peaks": {str(k): v for k, v in peaks.items()},
+                "report_peaks": {str(k): v for k, v in reports.items()}, "batch": args.batch,
+                "dtype_policy": args.dtype_policy, "device_profile": args.device_profile,
+                "device_budget": args.device_budget}
     if args.max_cube:
         rows = max_cube(args.batch, args.forced, log, args.runs.split(",") if args.runs else None, args.start,
                         args.device_profile)
@@ -426,6 +447,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device-profile", default=None,
                         help="--max-cube / --cube-edges: wrap(device_profile=...) for the wrapped runs (the "
                              "time-aware plan)")
+    parser.add_argument("--device-budget", default=None,
+                        help="--cube-edges: wrap(device_budget=...) too, e.g. 16GiB (the budget planner's plan)")
     parser.add_argument("--like-for-like", action="store_true",
                         help="instead: plain and wrapped as TensorFlow runs them on a 16 GiB GPU (grappler swaps by "
                              "itself), --repeat times per edge")

@@ -43,8 +43,14 @@ class BackendFacts:
         copy_back_allocated_at_trigger: a prefetched copy back holds its device memory from the moment the
             trigger's backward issues it (an allocator on the compute stream), not from when it lands.
         concatenate_gradient_is_view: a concatenation's input gradients are views of its output gradient.
-        gradients_wait_between_readers: the gradient of a tensor read by several calls is summed in the
-            autograd engine's input buffer, and a weight's gradient exists only from its layer's backward on.
+        gradients_wait_between_readers: the gradient of a tensor read by several calls arrives in parts, one
+            per reader's backward, and the first part waits on the device until the last has been added (a U-Net
+            skip tensor's, from the decoder's backward down to the encoder's): autograd's input buffer (torch),
+            the tape's pending gradients (TensorFlow).
+        gradient_sum_allocated: those parts are summed into a new buffer (TensorFlow's ``AddN``) when the last
+            one arrives: the sum exists beside both parts in that reader's backward (torch adds in place).
+        weight_gradients_from_their_backward: a weight's gradient exists only from its layer's backward on (torch:
+            ``zero_grad()`` drops the previous step's before the forward pass ends).
         plain_model_keeps_layer_outputs: without keras-lms, Keras' functional model keeps every layer output
             until its forward pass returns.
         shared_copy_stream: the offload queues copies in both directions on one stream, so they run one at a
@@ -58,6 +64,8 @@ class BackendFacts:
     copy_back_allocated_at_trigger: bool = False
     concatenate_gradient_is_view: bool = False
     gradients_wait_between_readers: bool = False
+    gradient_sum_allocated: bool = False
+    weight_gradients_from_their_backward: bool = False
     plain_model_keeps_layer_outputs: bool = False
     shared_copy_stream: bool = False
 
@@ -197,6 +205,11 @@ class BackendFacts:
     def forced_sweeps(self) -> bool:
         """Whether every candidate of ``slab_sweeps`` is swept whatever the profile (a test switch)."""
         return False
+
+    def sweep_backward_bytes(self, calls, sweep, slabs: dict, input_sizes, output_sizes) -> dict:
+        """Call index -> the device bytes its backward holds, for the calls of a sweep of ``slab_sweeps``
+        (``input_sizes`` / ``output_sizes``: per call, as ``memory_model.tensor_sizes`` gives them)."""
+        raise NotImplementedError(f"{type(self).__name__} plans no sweeps")
 
     def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
         """What a sweep of ``slab_sweeps`` reads and recomputes (TensorFlow's ``slab_costs.SweepTraffic``)."""

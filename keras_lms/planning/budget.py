@@ -78,7 +78,7 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
     for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
         memory = simulate(calls, offloaded, facts, batch_size, prefetch, static_bytes, update_bytes=update_bytes,
                           lean_normalization=config.lean_normalization, slab_bytes=slab_bytes,
-                          recomputed=recomputed)
+                          recomputed=recomputed, swept=swept)
         if memory.budget_bytes > config.device_budget:
             break  # deeper holds more: nothing further fits either
         t = seconds(prefetch)
@@ -134,7 +134,8 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
         def fits(recomputed):  # a whole recompute holds its source's copy back longer (memory_model)
             return simulate(calls, offloaded, facts, batch_size, config.prefetch, static_bytes,
                             update_bytes=update_bytes, lean_normalization=config.lean_normalization,
-                            slab_bytes=slab_bytes, recomputed=recomputed).budget_bytes <= config.device_budget
+                            slab_bytes=slab_bytes, recomputed=recomputed,
+                            swept=swept).budget_bytes <= config.device_budget
 
     chosen = choose_recomputed(candidates, seconds, fits)
     if not chosen:

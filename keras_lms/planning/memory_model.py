@@ -88,7 +88,8 @@ def tensor_sizes(calls, batch_size: int):
 
 def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, unwrapped: bool = False, update_bytes: int = 0,
-             lean_normalization: bool = True, slab_bytes: int = 0, recomputed=frozenset()) -> StepMemory:
+             lean_normalization: bool = True, slab_bytes: int = 0, recomputed=frozenset(),
+             swept=frozenset()) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     See the module docstring for what each call holds. ``facts`` is the back end's ``BackendFacts``
@@ -102,7 +103,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     its copy back would have; read whole, its recompute also holds its source's inputs, brought back from the
     reader's copy-back position on (until the source's ``shared_reader`` takes them over, or the reader's
     backward ends), and its temporaries. Read in windows (TensorFlow's slabs), it lives like a slab window and
-    is not charged separately.
+    is not charged separately. ``swept``: the first calls of the level sweeps the plan runs
+    (``BackendFacts.slab_sweeps``): their calls hold what ``BackendFacts.sweep_backward_bytes`` says in their
+    backward, and nothing of the run is brought back whole.
     """
     n = len(calls)
     positions = 2 * n
@@ -115,6 +118,11 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     if recomputed:
         chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
         sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
+    held_in_sweeps = {}
+    if swept and slabs:
+        for sweep in facts.slab_sweeps(calls, offloaded, slabs):
+            if sweep.first in swept:
+                held_in_sweeps.update(facts.sweep_backward_bytes(calls, sweep, slabs, sizes_in, sizes_out))
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
@@ -151,7 +159,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         saved = facts.saved_extra_bytes(call.unit, sum(sizes_in[i]), sum(sizes_out[i]))
         if saved and not any(offloaded[i]):
             hold(saved, i, backward)  # what autograd saves besides the inputs and outputs
-        if reads_output and i not in slabs:  # a slab call reads windows of the output's host copy
+        if reads_output and i not in slabs and i not in held_in_sweeps:  # windows (slabs, sweeps' passes)
             for key, size in zip(keys_out[i], sizes_out[i]):
                 if key in host_copy and facts.reads_output_host_copy(call.unit):
                     # read from the consumer's host copy: the swap-in of its first reader (in forward order, so
@@ -172,7 +180,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
                     continue
                 last_use = elided[i]
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
-            if off and reads_inputs and i not in slabs:  # swapped in for its backward, prefetch calls early
+            if off and reads_inputs and i not in slabs and i not in held_in_sweeps:  # swapped in for its backward, prefetch calls early
                 hold(size, arrives(i), backward)
                 if key in sources:
                     _hold_recompute_inputs(sources[key], arrives(i), backward, arrives, hold)
@@ -196,14 +204,18 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         grads += facts.normalization_extra_bytes(call, sizes_in[i])
         if facts.input_freed_before_input_gradient(call):
             grads -= min(sum(sizes_in[i]), in_grads)  # the input's buffer is free before the gradient's
-        if i in slabs:
+        if i in held_in_sweeps:
+            grads = held_in_sweeps[i]
+        elif i in slabs:
             grads = facts.slab_backward_bytes(call, sizes_in[i], sizes_out[i], slabs[i])
         elif i in elided:
             grads = 0  # no gradient reaches a concatenation nobody reads
         hold(grads, backward, backward)
         hold(facts.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i)), i, i)
     if facts.gradients_wait_between_readers:
-        _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold)
+        _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, facts.concatenate_gradient_is_view,
+                                facts.gradient_sum_allocated)
+    if facts.weight_gradients_from_their_backward:
         _release_pending_weight_gradients(calls, positions, hold)
     for size, start, end in info.values():
         end = n if end is None else end  # model outputs live until the loss's backward starts
@@ -228,15 +240,17 @@ def _hold_recompute_inputs(source, start: int, backward: int, arrives, hold) -> 
     hold(source.temporary_bytes, backward, backward)
 
 
-def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold):
+def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, concatenate_views: bool,
+                            sum_allocated: bool):
     """Gradients that wait on the device between backward positions (an autograd engine's input buffers).
 
     A tensor read by several calls gets its gradient in parts: the first part arrives with the backward of its
     last reader (in forward order) and waits in the producer's input buffer until the backward of its first
     reader has added the last part; the sum then waits for the producer's backward. A U-Net skip tensor's
-    gradient arrives with the decoder's concatenation and waits through the whole lower part of the backward:
-    as a slice of the concatenation's output gradient, which it keeps alive whole. (Adjacent positions are
-    already counted as the gradients of each call's inputs and outputs.)
+    gradient arrives with the decoder's concatenation and waits through the whole lower part of the backward;
+    where a concatenation's input gradients are views (``concatenate_views``), as a slice of its output
+    gradient, which it keeps alive whole. (Adjacent positions are already counted as the gradients of each
+    call's inputs and outputs.)
     """
     produced = {}  # key -> (producer index, bytes)
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
@@ -252,9 +266,11 @@ def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold):
         first, last = min(calls_reading), max(calls_reading)
         if first != last:
             part = size
-            if layer_facts.is_keras_class(calls[last].unit, {"Concatenate"}):
+            if concatenate_views and layer_facts.is_keras_class(calls[last].unit, {"Concatenate"}):
                 part = sum(sizes_out[last])
             hold(part, positions - last, positions - 1 - first)
+            if sum_allocated:
+                hold(size, positions - 1 - first, positions - 1 - first)
         if first > producer + 1:  # the summed gradient, until the producer's backward
             hold(size, positions - first, positions - 2 - producer)
 

@@ -70,7 +70,8 @@ class StepPlan:
                         self.prefetch if offloaded is None else self.config.prefetch, self.static_bytes,
                         update_bytes=self.update_bytes,
                         lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
-                        recomputed=self.recomputed if offloaded is None else frozenset())
+                        recomputed=self.recomputed if offloaded is None else frozenset(),
+                        swept=self.swept if offloaded is None else frozenset())
 
     def offload_only(self) -> list:
         """The offload-only plan: every tensor the per-call rules (min_bytes, keep_last, include/exclude) allow

@@ -86,3 +86,50 @@ def test_static_bytes_count_weights_gradients_slots_and_the_back_ends_extra():
     # weights 420, gradients 400, Adam-like slots 2 x 400, extra 1
     assert memory_model.static_bytes(model, Extra()) == 420 + 400 + 800 + 1
     assert memory_model.variable_bytes([types.SimpleNamespace(shape=(3,), dtype="bfloat16")]) == 6
+
+
+def skip_chain():
+    """x (100 B) -> d1 -> y1 (200 B) -> d2 -> y2 (200 B); add(y1, y2) -> z (200 B): y1 has two readers."""
+    return [raw_call(keras.layers.Dense(50, name="d1"), [("x", floats(25))], [("y1", floats(50))]),
+            raw_call(keras.layers.Dense(50, name="d2"), [("y1", floats(50))], [("y2", floats(50))]),
+            raw_call(keras.layers.Add(name="add"), [("y1", floats(50)), ("y2", floats(50))], [("z", floats(50))])]
+
+
+def test_a_gradient_in_parts_waits_and_its_sum_is_a_new_buffer():
+    """y1's gradient arrives in two parts: the Add's (position 3) and d2's (position 4). The Add's part waits
+    through d2's backward; a back end that sums into a new buffer (TensorFlow's AddN) also holds the sum there."""
+    calls = skip_chain()
+    base = memory_model.simulate(calls, [[False], [False], [False, False]], FACTS)
+    waiting = type("Waiting", (BackendFacts,), {"gradients_wait_between_readers": True})()
+    summed = type("Summed", (BackendFacts,), {"gradients_wait_between_readers": True,
+                                              "gradient_sum_allocated": True})()
+    waits = memory_model.simulate(calls, [[False], [False], [False, False]], waiting)
+    sums = memory_model.simulate(calls, [[False], [False], [False, False]], summed)
+    assert [w - b for w, b in zip(waits.timeline, base.timeline)] == [0, 0, 0, 0, 200, 0]
+    assert [s - b for s, b in zip(sums.timeline, base.timeline)] == [0, 0, 0, 0, 400, 0]
+
+
+class _SweptFacts(BackendFacts):
+    """Both calls of the dense chain computed in slabs (their backward holding 1000 B) and one sweep over both,
+    whose backwards hold 7 and 11 B (what ``sweep_backward_bytes`` says)."""
+
+    def slab_plans(self, calls, offloaded, batch_size, slab_bytes):
+        return {0: "plan", 1: "plan"} if slab_bytes else {}
+
+    def slab_backward_bytes(self, call, input_sizes, output_sizes, slab):
+        return 1000
+
+    def slab_sweeps(self, calls, offloaded, slabs):
+        return [types.SimpleNamespace(first=0, calls=(0, 1))]
+
+    def sweep_backward_bytes(self, calls, sweep, slabs, input_sizes, output_sizes):
+        return {0: 7, 1: 11}
+
+
+def test_a_sweeps_calls_hold_what_the_back_end_says_in_their_backward():
+    offloaded = [[True], [True]]
+    slabbed = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1)
+    swept = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept=frozenset({0}))
+    other = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept=frozenset({5}))
+    assert other.timeline == slabbed.timeline  # a sweep the plan does not run changes nothing
+    assert [b - s for b, s in zip(slabbed.timeline, swept.timeline)] == [0, 0, 1000 - 11, 1000 - 7]

@@ -27,6 +27,8 @@ layer calls. Two more things decide the peak of large 3D models:
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 
 from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs, sweeps
@@ -125,6 +127,30 @@ def slab_backward_bytes(call, sizes_in, sizes_out, plan) -> int:
     return int(sum(sizes_in) + max(sum(sizes_out), max(sizes_in, default=0)) + working)
 
 
+def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict:
+    """Call index -> the bytes its backward holds, for the calls of a level sweep (``sweeps``).
+
+    A pass holds what the slab backward of the call it differentiates holds (the output gradient, the input
+    gradient being assembled, the working windows), at the sweep's thinner windows (``sweeps.sweep_bounds``): pass
+    A at the last activation, pass B_j, convolution j's backward, at BatchNorm j. The other calls only hold the
+    gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``)."""
+    units = sweep.units
+    plans = [slabs[c] for c, _, _ in units] + [slabs[b] for _, b, _ in units]
+    windows = dataclasses.replace(slabs[units[0][1]], bounds=sweeps.sweep_bounds(plans))
+    first = units[0][0]
+    parts = concatenation_parts(calls, 1).get(calls[first].keys[0]) if len(calls[first].keys) == 1 else None
+    held = {}
+    for j, (conv, bn, act) in enumerate(units, 1):
+        held[conv] = sum(sizes_in[conv])
+        # the run's input gradient is assembled one part of a concatenation at a time (never concatenated)
+        assembled = sizes_in[parts[0]] if j == 1 and parts is not None else sizes_in[conv]
+        held[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows)
+        held[act] = sum(sizes_in[act])
+    last = units[-1][2]
+    held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows)
+    return held
+
+
 def normalization_float32_bytes(call, sizes_in) -> int:
     """The float32 share of a whole (not slab-computed) BatchNormalization backward's temporaries beyond what
     ``layer_facts.NORMALIZATION_TEMPORARIES`` input-sized buffers count: under mixed precision Keras computes
@@ -146,6 +172,8 @@ class TensorFlowFacts(BackendFacts):
     """The TensorFlow back end's memory facts (see the module docstring)."""
 
     output_gradient_activations = frozenset({"relu", "sigmoid", "tanh", "elu"})
+    gradients_wait_between_readers = True  # a U-Net skip gradient waits from the decoder down to the encoder,
+    gradient_sum_allocated = True  # and is added to the encoder's part by an AddN
     shape_only_layers = layer_facts.STRUCTURAL_LAYERS | layer_facts.AVERAGE_POOLING_LAYERS
     fused_activation_reads_output_copy = True
 
@@ -182,6 +210,9 @@ class TensorFlowFacts(BackendFacts):
 
     def forced_sweeps(self) -> bool:
         return sweeps.FORCED
+
+    def sweep_backward_bytes(self, calls, sweep, slabs: dict, input_sizes, output_sizes) -> dict:
+        return sweep_backward_bytes(calls, sweep, slabs, input_sizes, output_sizes)
 
     def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
         return slab_costs.sweep_traffic(calls, sweep, slabs, offloaded, concatenation_parts(calls, batch_size),

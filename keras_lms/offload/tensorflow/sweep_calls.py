@@ -72,10 +72,12 @@ class SweepCalls:
                                "False")  # the planner never sweeps such a call (a bug if it happens)
         if role == "act":
             if j == run.size:
-                return [self._sweep_first_pass(run, dy, trigger, record)]
+                with tf.name_scope(f"lms_sweep_{record.unit.name}"):  # names the pass in the executed graph
+                    return [self._sweep_first_pass(run, dy, trigger, record)]
             return [run.gradients[j]]
         if role == "bn":
-            self._sweep_second_pass(run, j, dy, trigger, record)
+            with tf.name_scope(f"lms_sweep_{record.unit.name}"):
+                self._sweep_second_pass(run, j, dy, trigger, record)
             return [dy] + run.normalization_weights[j]  # the input's entry is unread: conv j took dc_j itself
         inputs, weights = run.convolution[j]
         return inputs + weights

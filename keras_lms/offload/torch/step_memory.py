@@ -145,6 +145,7 @@ class TorchFacts(BackendFacts):
     copy_back_allocated_at_trigger = True
     concatenate_gradient_is_view = True
     gradients_wait_between_readers = True
+    weight_gradients_from_their_backward = True
     plain_model_keeps_layer_outputs = True
     shared_copy_stream = True  # transfer.Transfer: one copy stream per device, both directions
 

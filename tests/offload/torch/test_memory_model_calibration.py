@@ -108,6 +108,7 @@ class _FactsBeforeIssue19(TorchFacts):
     convolution backward."""
 
     gradients_wait_between_readers = False
+    weight_gradients_from_their_backward = False
 
     def lean_normalization_call(self, unit, input_dtypes) -> bool:
         return False
