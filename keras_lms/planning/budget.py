@@ -19,7 +19,7 @@ from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, planned_sweeps, tensor_bytes
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
-from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweeps, refine_sweeps
+from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,27 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
         _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
         refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
+            plan_sweep_windows(calls, entries, config, facts, batch_size,
+                               _fits_with_sweeps(calls, entries, config, facts, batch_size, static_bytes,
+                                                 update_bytes))
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
     note_swept_host_bytes(entries)
     return entries
+
+
+def _fits_with_sweeps(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int):
+    """``fits(swept)``: whether the plan, with the sweeps ``swept`` (first call -> windows), fits
+    ``device_budget`` by the memory model with the planner's margin."""
+    offloaded = [list(e.tensor_offloaded) for e in entries]
+    slab_bytes, recomputed = planned_slab_bytes(entries), recomputed_producers(entries)
+
+    def fits(swept) -> bool:
+        return simulate(calls, offloaded, facts, batch_size, config.prefetch, static_bytes,
+                        update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                        slab_bytes=slab_bytes, recomputed=recomputed,
+                        swept=swept).budget_bytes <= config.device_budget
+
+    return fits
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.planning import layer_facts
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import chosen_sweeps, tensor_bytes
 from keras_lms.planning.recompute import active_sources
 
 # Safety margin on the activation peak for the planner's budget decisions only (not in reported predictions):
@@ -89,7 +89,7 @@ def tensor_sizes(calls, batch_size: int):
 def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, unwrapped: bool = False, update_bytes: int = 0,
              lean_normalization: bool = True, slab_bytes: int = 0, recomputed=frozenset(),
-             swept=frozenset()) -> StepMemory:
+             swept=None) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     See the module docstring for what each call holds. ``facts`` is the back end's ``BackendFacts``
@@ -103,9 +103,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     its copy back would have; read whole, its recompute also holds its source's inputs, brought back from the
     reader's copy-back position on (until the source's ``shared_reader`` takes them over, or the reader's
     backward ends), and its temporaries. Read in windows (TensorFlow's slabs), it lives like a slab window and
-    is not charged separately. ``swept``: the first calls of the level sweeps the plan runs
-    (``BackendFacts.slab_sweeps``): their calls hold what ``BackendFacts.sweep_backward_bytes`` says in their
-    backward, and nothing of the run is brought back whole.
+    is not charged separately. ``swept``: the level sweeps the plan runs, first call -> windows
+    (``plan.planned_sweeps``; ``BackendFacts.slab_sweeps``): their calls hold in their backward what
+    ``BackendFacts.sweep_backward_bytes`` says, and nothing of the run is brought back whole.
     """
     n = len(calls)
     positions = 2 * n
@@ -119,10 +119,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
         sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     held_in_sweeps = {}
-    if swept and slabs:
-        for sweep in facts.slab_sweeps(calls, offloaded, slabs):
-            if sweep.first in swept:
-                held_in_sweeps.update(facts.sweep_backward_bytes(calls, sweep, slabs, sizes_in, sizes_out))
+    for sweep in chosen_sweeps(facts, calls, offloaded, slabs, swept):
+        held_in_sweeps.update(facts.sweep_backward_bytes(calls, sweep, slabs, sizes_in, sizes_out))
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
@@ -180,7 +178,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
                     continue
                 last_use = elided[i]
             entry[2] = last_use if entry[2] is None else max(entry[2], last_use)
-            if off and reads_inputs and i not in slabs and i not in held_in_sweeps:  # swapped in for its backward, prefetch calls early
+            if off and reads_inputs and i not in slabs and i not in held_in_sweeps:  # swapped in, prefetch early
                 hold(size, arrives(i), backward)
                 if key in sources:
                     _hold_recompute_inputs(sources[key], arrives(i), backward, arrives, hold)

@@ -40,6 +40,8 @@ class PlanEntry:
         sweep: the call indices of the level sweep this call belongs to (TensorFlow: a run of convolution ->
             BatchNormalization -> activation units differentiated in passes over slab windows from the run's
             input, ``offload.tensorflow.sweeps``); None otherwise.
+        sweep_windows: how many slab windows that sweep's passes cut the run into (thinner windows hold less
+            device memory and recompute more halo rows; the planner chooses); None outside a sweep.
         prefetch: how many calls ahead the step starts copies back, where the time-aware planner chose a depth
             (with ``device_profile`` and ``device_budget``: the shortest predicted step that fits); the same on
             every entry of a plan. None: ``LMSConfig.prefetch``.
@@ -64,6 +66,7 @@ class PlanEntry:
     recomputed_output: bool = False
     recomputed_inputs: list = dataclasses.field(default_factory=list)
     sweep: tuple | None = None
+    sweep_windows: int | None = None
     prefetch: int | None = None
 
     @property
@@ -132,6 +135,7 @@ class CallDecision:
     slab_bytes: int | None = None  # the slab size the call is computed with (None: the config's)
     recompute_from: tuple | None = None  # (source call, call in between): PlanEntry.recompute_from
     sweep: tuple | None = None  # the call indices of its level sweep: PlanEntry.sweep
+    sweep_windows: int | None = None  # PlanEntry.sweep_windows
 
     @property
     def offloaded(self) -> bool:
@@ -180,9 +184,19 @@ def planned_prefetch(entries, default: int) -> int:
     return next((e.prefetch for e in entries if e.prefetch is not None), default)
 
 
-def planned_sweeps(entries) -> frozenset:
-    """The first calls of the level sweeps a plan runs (``PlanEntry.sweep``)."""
-    return frozenset(e.sweep[0] for e in entries if getattr(e, "sweep", None))
+def planned_sweeps(entries) -> dict:
+    """The level sweeps a plan runs: first call -> the windows its passes cut the run into (``PlanEntry.sweep``,
+    ``PlanEntry.sweep_windows``)."""
+    return {e.sweep[0]: e.sweep_windows for e in entries if getattr(e, "sweep", None) and e.index == e.sweep[0]}
+
+
+def chosen_sweeps(facts, calls, offloaded, slabs: dict, swept) -> list:
+    """The back end's sweeps (``BackendFacts.slab_sweeps``) that ``swept`` (first call -> windows, as
+    ``planned_sweeps`` gives it) runs, each with its planned windows."""
+    if not swept or not slabs:
+        return []
+    return [dataclasses.replace(s, windows=swept[s.first] or s.windows)
+            for s in facts.slab_sweeps(calls, offloaded, slabs) if s.first in swept]
 
 
 def planned_slab_bytes(entries, default: int = 0) -> int:

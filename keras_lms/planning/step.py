@@ -71,7 +71,7 @@ class StepPlan:
                         update_bytes=self.update_bytes,
                         lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
                         recomputed=self.recomputed if offloaded is None else frozenset(),
-                        swept=self.swept if offloaded is None else frozenset())
+                        swept=self.swept if offloaded is None else None)
 
     def offload_only(self) -> list:
         """The offload-only plan: every tensor the per-call rules (min_bytes, keep_last, include/exclude) allow
@@ -84,8 +84,8 @@ class StepPlan:
         return recomputed_producers(self.entries)
 
     @property
-    def swept(self) -> frozenset:
-        """The first calls of the level sweeps the plan runs (TensorFlow: ``offload.tensorflow.sweeps``)."""
+    def swept(self) -> dict:
+        """The level sweeps the plan runs, first call -> windows (TensorFlow: ``offload.tensorflow.sweeps``)."""
         return planned_sweeps(self.entries)
 
     def link_traffic(self, offloaded=None) -> LinkTraffic:
@@ -111,7 +111,7 @@ class StepPlan:
         if recomputed is None:
             recomputed = self.recomputed if offloaded is None else frozenset()
         if swept is None:
-            swept = self.swept if offloaded is None else frozenset()
+            swept = self.swept if offloaded is None else {}
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
                                  profile, self.batch_size, self.prefetch if offloaded is None else self.config.prefetch,
                                  self.slab_bytes,

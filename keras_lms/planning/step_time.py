@@ -135,11 +135,11 @@ def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> floa
 
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
                       slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset(),
-                      swept=frozenset()) -> StepTime:
+                      swept=None) -> StepTime:
     """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host; ``recomputed``:
-    the calls whose outputs are recomputed instead of copied; ``swept``: the first calls of the level sweeps it
-    runs) on ``profile`` (a ``DeviceProfile``); with no input offloaded it is the plain step. See the module
-    docstring."""
+    the calls whose outputs are recomputed instead of copied; ``swept``: the level sweeps it runs, first call ->
+    windows, ``plan.planned_sweeps``) on ``profile`` (a ``DeviceProfile``); with no input offloaded it is the
+    plain step. See the module docstring."""
     n = len(calls)
     costs = [call_cost(call, batch_size, facts) for call in calls]
     traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept)

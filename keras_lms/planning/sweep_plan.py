@@ -18,20 +18,22 @@ def plan_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     """Choose the level sweeps to run (``BackendFacts.slab_sweeps``): with a device profile, greedily in forward
     order, each one that shortens the predicted step (nothing recomputed yet; ``refine_sweeps`` revisits them
     once the recomputed tensors are chosen); every candidate where the back end forces them; none otherwise (the
-    defaults without a profile stay the per-call backward). Recorded on the entries (``PlanEntry.sweep``)."""
+    defaults without a profile stay the per-call backward). Recorded on the entries (``PlanEntry.sweep``), each
+    with its default (thinnest) windows."""
     if not (facts.forced_sweeps() or config.device_profile is not None):
         return
     candidates, seconds = _search(calls, entries, config, facts, batch_size, frozenset())
     if not candidates:
         return
     if facts.forced_sweeps():
-        chosen = frozenset(s.first for s in candidates)
+        chosen = {s.first: s.windows for s in candidates}
     else:
-        chosen, best = frozenset(), seconds(frozenset())
+        chosen, best = {}, seconds({})
         for sweep in candidates:
-            t = seconds(chosen | {sweep.first})
+            trial = {**chosen, sweep.first: sweep.windows}
+            t = seconds(trial)
             if t < best:
-                chosen, best = chosen | {sweep.first}, t
+                chosen, best = trial, t
     _mark_sweeps(calls, entries, candidates, chosen, config)
 
 
@@ -47,7 +49,9 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     chosen = planned_sweeps(entries)
     best = seconds(chosen)
     for sweep in candidates:
-        trial = chosen - {sweep.first} if sweep.first in chosen else chosen | {sweep.first}
+        trial = dict(chosen)
+        if trial.pop(sweep.first, None) is None:
+            trial[sweep.first] = sweep.windows
         t = seconds(trial)
         if t < best - 1e-9:
             chosen, best = trial, t
@@ -55,9 +59,35 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
         _mark_sweeps(calls, entries, candidates, chosen, config)
 
 
+def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits) -> None:
+    """Thicker windows where the device budget has room: for each planned sweep in turn, its other window counts
+    (``Sweep.window_options``: as thick as its units' slabs), kept where the plan still ``fits(swept)`` (the
+    memory model with the budget margin) and the predicted step is shorter. Why: a pass holds every unit's
+    window at once, so the default windows are half a slab thick, which recomputes twice the halo rows; at
+    384^3 float32 with a 16 GiB budget that halo is 15% of the predicted step (docs/design.md, "Level sweeps")."""
+    chosen = planned_sweeps(entries)
+    if not chosen:
+        return
+    candidates, seconds = _search(calls, entries, config, facts, batch_size, recomputed_producers(entries))
+    best = seconds(chosen)
+    for sweep in candidates:
+        if sweep.first not in chosen:
+            continue
+        for windows in sweep.window_options:
+            if windows == chosen[sweep.first]:
+                continue
+            trial = {**chosen, sweep.first: windows}
+            if fits(trial):
+                t = seconds(trial)
+                if t < best - 1e-9:
+                    chosen, best = trial, t
+    if chosen != planned_sweeps(entries):
+        _mark_sweeps(calls, entries, candidates, chosen, config)
+
+
 def _search(calls, entries, config, facts, batch_size: int, recomputed):
     """The candidate sweeps of the plan's offload decisions and slabs, and ``seconds(swept)``: the predicted step
-    on the profile with ``recomputed`` and the sweeps whose first calls are ``swept``."""
+    on the profile with ``recomputed`` and the sweeps ``swept`` (first call -> windows)."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
     slab_bytes = planned_slab_bytes(entries)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
@@ -88,13 +118,17 @@ def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
     behind it)."""
     why = f"faster on {config.device_profile.name}" if config.device_profile is not None else "forced"
     for sweep in candidates:
-        names = ", ".join(calls[i].unit.name for i in sweep.calls)
-        note = (f"; differentiated in a level sweep ({names}): {len(sweep.units) + 1} passes over slab windows "
-                f"recomputed from {calls[sweep.first].unit.name}'s input ({why})")
         for i in sweep.calls:
             if entries[i].sweep is not None:
-                entries[i].sweep = None
-                entries[i].reason = entries[i].reason.replace(note, "")
+                entries[i].reason = entries[i].reason.replace(_note(calls, sweep, entries[i].sweep_windows, why), "")
+                entries[i].sweep = entries[i].sweep_windows = None
             if sweep.first in chosen:
-                entries[i].sweep = sweep.calls
-                entries[i].reason += note
+                entries[i].sweep, entries[i].sweep_windows = sweep.calls, chosen[sweep.first]
+                entries[i].reason += _note(calls, sweep, chosen[sweep.first], why)
+
+
+def _note(calls, sweep, windows: int, why: str) -> str:
+    """What a swept call's reason says about its sweep."""
+    names = ", ".join(calls[i].unit.name for i in sweep.calls)
+    return (f"; differentiated in a level sweep ({names}): {len(sweep.units) + 1} passes over {windows} slab "
+            f"windows recomputed from {calls[sweep.first].unit.name}'s input ({why})")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.planning.memory_model import tensor_sizes
+from keras_lms.planning.plan import chosen_sweeps
 from keras_lms.planning.recompute import active_sources, expand_read
 
 
@@ -86,11 +87,11 @@ class SlabTraffic:
 
 
 def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0,
-                 recomputed=frozenset(), swept=frozenset()) -> LinkTraffic:
+                 recomputed=frozenset(), swept=None) -> LinkTraffic:
     """The host-link transfers of a plan (``offloaded[i][j]``: input j of call i goes to host); see the module
     docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size; ``recomputed``
-    the calls whose outputs are recomputed instead of copied (``planning.recompute``); ``swept`` the first calls of
-    the level sweeps the plan runs (``BackendFacts.slab_sweeps``, ``plan.planned_sweeps``)."""
+    the calls whose outputs are recomputed instead of copied (``planning.recompute``); ``swept`` the level sweeps
+    the plan runs, first call -> windows (``plan.planned_sweeps``; ``BackendFacts.slab_sweeps``)."""
     n = len(calls)
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
@@ -100,8 +101,7 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}
     sweep_costs = [facts.sweep_traffic(calls, sweep, slabs, offloaded, batch_size)
-                   for sweep in facts.slab_sweeps(calls, offloaded, slabs)
-                   if sweep.first in swept] if swept and slabs else []
+                   for sweep in chosen_sweeps(facts, calls, offloaded, slabs, swept)]
     sweep_of = {s.first: s for s in sweep_costs}
     in_sweep = frozenset().union(*(s.members for s in sweep_costs))
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n

@@ -3,6 +3,7 @@ changing exactly the terms they name."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import keras
@@ -109,9 +110,16 @@ def test_a_gradient_in_parts_waits_and_its_sum_is_a_new_buffer():
     assert [s - b for s, b in zip(sums.timeline, base.timeline)] == [0, 0, 0, 0, 400, 0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+    first: int
+    calls: tuple
+    windows: int = 4
+
+
 class _SweptFacts(BackendFacts):
     """Both calls of the dense chain computed in slabs (their backward holding 1000 B) and one sweep over both,
-    whose backwards hold 7 and 11 B (what ``sweep_backward_bytes`` says)."""
+    whose backwards hold ``windows`` + 3 and 11 B (what ``sweep_backward_bytes`` says)."""
 
     def slab_plans(self, calls, offloaded, batch_size, slab_bytes):
         return {0: "plan", 1: "plan"} if slab_bytes else {}
@@ -120,16 +128,18 @@ class _SweptFacts(BackendFacts):
         return 1000
 
     def slab_sweeps(self, calls, offloaded, slabs):
-        return [types.SimpleNamespace(first=0, calls=(0, 1))]
+        return [_Sweep(first=0, calls=(0, 1))]
 
     def sweep_backward_bytes(self, calls, sweep, slabs, input_sizes, output_sizes):
-        return {0: 7, 1: 11}
+        return {0: sweep.windows + 3, 1: 11}
 
 
 def test_a_sweeps_calls_hold_what_the_back_end_says_in_their_backward():
     offloaded = [[True], [True]]
     slabbed = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1)
-    swept = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept=frozenset({0}))
-    other = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept=frozenset({5}))
+    swept = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept={0: None})
+    thicker = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept={0: 8})
+    other = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept={5: 8})
     assert other.timeline == slabbed.timeline  # a sweep the plan does not run changes nothing
     assert [b - s for b, s in zip(slabbed.timeline, swept.timeline)] == [0, 0, 1000 - 11, 1000 - 7]
+    assert [t - s for t, s in zip(thicker.timeline, swept.timeline)] == [0, 0, 0, 4]  # the planned windows

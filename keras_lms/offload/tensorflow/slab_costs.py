@@ -111,7 +111,7 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
     units = sweep.units
     first = units[0][0]
     length = slabs[first].length
-    bounds = sweeps.sweep_bounds([slabs[c] for c, _, _ in units] + [slabs[b] for _, b, _ in units])
+    bounds = sweeps.sweep_bounds(length, sweep.windows)
     tensors, concatenated = read_parts(calls, first, parts, batch_size)
     row = list(offloaded[first]) * len(tensors) if concatenated else list(offloaded[first])
     inputs = [(k, s) for (k, s, _), off in zip(tensors, row) if off]

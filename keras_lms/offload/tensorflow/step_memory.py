@@ -131,12 +131,12 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     """Call index -> the bytes its backward holds, for the calls of a level sweep (``sweeps``).
 
     A pass holds what the slab backward of the call it differentiates holds (the output gradient, the input
-    gradient being assembled, the working windows), at the sweep's thinner windows (``sweeps.sweep_bounds``): pass
+    gradient being assembled, the working windows), at the sweep's windows (``Sweep.windows``): pass
     A at the last activation, pass B_j, convolution j's backward, at BatchNorm j. The other calls only hold the
     gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``)."""
     units = sweep.units
-    plans = [slabs[c] for c, _, _ in units] + [slabs[b] for _, b, _ in units]
-    windows = dataclasses.replace(slabs[units[0][1]], bounds=sweeps.sweep_bounds(plans))
+    plan = slabs[units[0][1]]
+    windows = dataclasses.replace(plan, bounds=sweeps.sweep_bounds(plan.length, sweep.windows))
     first = units[0][0]
     parts = concatenation_parts(calls, 1).get(calls[first].keys[0]) if len(calls[first].keys) == 1 else None
     held = {}

@@ -47,7 +47,7 @@ class SweepCalls:
     ``_fenced_gradients``)."""
 
     # ------------------------------------------------------------------ forward: bind the run's records
-    def _bind_sweep(self, indices) -> None:
+    def _bind_sweep(self, indices, windows: int) -> None:
         """After the run's last call: give its records their roles, or leave them to the per-call backward (with
         a warning) when the step did not build what the passes need."""
         records = [self.records.get(i) for i in indices]
@@ -56,8 +56,8 @@ class SweepCalls:
             log.warning("keras-lms: the level sweep of calls %s runs call by call instead: %s.", list(indices), why)
             return
         units = [tuple(records[k:k + 3]) for k in range(0, len(records), 3)]
-        run = SweepRun(units, sweep_bounds([u[0].slabs for u in units] + [u[1].slabs for u in units]),
-                       units[0][0].slabs.length)
+        length = units[0][0].slabs.length
+        run = SweepRun(units, sweep_bounds(length, windows), length)
         for j, (conv, bn, act) in enumerate(units, 1):
             conv.sweep, bn.sweep, act.sweep = (run, "conv", j), (run, "bn", j), (run, "act", j)
 

@@ -47,9 +47,16 @@ MAX_UNITS = 2  # units per run: pass B_j recomputes units 1..j, so the recompute
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """One run of units ``((conv, bn, act), ...)`` (call indices, forward order) differentiated in passes."""
+    """One run of units ``((conv, bn, act), ...)`` (call indices, forward order) differentiated in passes.
+
+    ``windows``: how many slab windows the passes cut the run into (``sweep_windows``: its units' densest slab
+    count times ``WINDOW_DIVISOR``); ``window_options``: the counts a planner may choose instead, thinnest first
+    (the units' densest slab count: windows as thick as the slabs, fewer halos recomputed, more memory per pass).
+    """
 
     units: tuple
+    windows: int = 0
+    window_options: tuple = ()
 
     @property
     def calls(self) -> tuple:
@@ -83,7 +90,10 @@ def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
         while chain[-1] in following:
             chain.append(following[chain[-1]])
         for k in range(0, len(chain), MAX_UNITS):
-            runs.append(Sweep(tuple(units[c] for c in chain[k:k + MAX_UNITS])))
+            run = tuple(units[c] for c in chain[k:k + MAX_UNITS])
+            plans = [slabs[c] for c, _, _ in run] + [slabs[b] for _, b, _ in run]
+            thinnest, thickest = sweep_windows(plans), sweep_windows(plans, 1)
+            runs.append(Sweep(run, thinnest, tuple(dict.fromkeys((thinnest, thickest)))))
     return runs
 
 
@@ -117,12 +127,18 @@ def _unit(calls, v: int, offloaded, slabs: dict, consumers: dict, facts):
 # A pass holds the windows of every unit it recomputes at once (the run's input, each unit's convolution and
 # BatchNorm outputs, widened by the halos below them), where a per-call slab backward holds one call's: at the
 # 3D U-Net's slab size that raised the simulated peak at 400^3 float32 from 15.80 to 16.28 GiB. A sweep's
-# windows are this many times thinner than its units' slabs.
+# windows are this many times thinner than its units' slabs, unless the planner finds room in the device budget
+# for windows as thick as the slabs (``planning.sweep_plan.plan_sweep_windows``).
 WINDOW_DIVISOR = 2
 
 
-def sweep_bounds(plans) -> tuple:
-    """The slab bounds a run sweeps with: ``WINDOW_DIVISOR`` times as many as its units' plan with the most
-    slabs (the smallest windows), at most one row each."""
+def sweep_windows(plans, divisor: int = WINDOW_DIVISOR) -> int:
+    """How many windows a run of units with these slab plans sweeps in: ``divisor`` times as many as its plan
+    with the most slabs (the smallest windows), at most one row each."""
     densest = max(plans, key=lambda p: p.count)
-    return slab_bounds(densest.length, min(densest.length, densest.count * WINDOW_DIVISOR))
+    return min(densest.length, densest.count * divisor)
+
+
+def sweep_bounds(length: int, windows: int) -> tuple:
+    """The (start, end) rows of each of a sweep's ``windows`` windows over ``length`` rows."""
+    return slab_bounds(length, windows)

@@ -52,6 +52,7 @@ def passes(monkeypatch):
     def spy_first(self, run, *args):
         seen["A"] += 1
         seen["units"] = max(seen["units"], run.size)
+        seen[f"windows {len(run.bounds)}"] += 1
         return first(self, run, *args)
 
     def spy_second(self, *args):
@@ -124,6 +125,28 @@ def test_the_planner_sweeps_on_a_pcie_profile():
         assert all("level sweep" in plan[i].reason and "h100-pcie5" in plan[i].reason for i in run)
         # inside the run nothing is copied: its calls' activations are recomputed in the passes
         assert all(plan[i].decision == "recompute" and plan[i].new_host_bytes == 0 for i in run[1:]), plan
+
+
+def test_a_budget_with_room_gets_windows_as_thick_as_the_slabs(passes):
+    """``plan_sweep_windows``: where the memory model, with the budget margin, has room for them, a sweep's
+    windows are as thick as its units' slabs (half as many windows, half the halo rows recomputed); without a
+    budget they stay half a slab thick. The step runs the planned windows, and stays exact."""
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    common = dict(min_bytes=0, keep_last=0, slab_bytes=SLAB, device_profile="h100-pcie5")
+    default = keras_lms.wrap(model, **common)
+    thin = {e.sweep: e.sweep_windows for e in default.plan(batch_size=4) if e.sweep}
+    budget = int(keras_lms.report(default, batch_size=4).totals["predicted_peak_bytes_wrapped"] * 1.15)
+    wrapped = keras_lms.wrap(model, device_budget=budget, **common)
+    plan = wrapped.plan(batch_size=4)
+    thick = {e.sweep: e.sweep_windows for e in plan if e.sweep}
+    assert thin == {run: 2 * windows for run, windows in thick.items()}, (thin, thick)
+    assert all(f"over {thick[plan[i].sweep]} slab windows" in plan[i].reason for run in thick for i in run)
+    assert keras_lms.report(wrapped, batch_size=4).totals["budget_peak_bytes"] <= budget
+    result = compare_step(model, wrapped, np.random.default_rng(3).random((4, 32, 32, 1)))
+    assert {k: v for k, v in passes.items() if k.startswith("windows")} == {
+        f"windows {w}": list(thick.values()).count(w) for w in set(thick.values())}, passes
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
 
 
 def test_only_the_runs_input_comes_back_for_a_sweep(forced):
@@ -215,12 +238,15 @@ def test_unmarking_a_run_keeps_the_reasons_added_after_it():
 
     calls = [SimpleNamespace(unit=SimpleNamespace(name=n)) for n in ("conv", "bn", "relu")]
     entries = [PlanEntry(i, c.unit.name, "X", [], [], 0, True, f"offloaded {i}") for i, c in enumerate(calls)]
-    run = sweeps.Sweep(((0, 1, 2),))
+    run = sweeps.Sweep(((0, 1, 2),), 8, (8, 4))
     config = SimpleNamespace(device_profile=SimpleNamespace(name="h100-pcie5"))
-    sweep_plan._mark_sweeps(calls, entries, [run], frozenset({0}), config)
-    assert all(e.sweep == (0, 1, 2) and "level sweep" in e.reason for e in entries)
+    sweep_plan._mark_sweeps(calls, entries, [run], {0: 8}, config)
+    assert all(e.sweep == (0, 1, 2) and e.sweep_windows == 8 and "level sweep" in e.reason for e in entries)
     for e in entries:
         e.reason += "; a later note"
-    sweep_plan._mark_sweeps(calls, entries, [run], frozenset(), config)
+    sweep_plan._mark_sweeps(calls, entries, [run], {0: 4}, config)  # thicker windows: the note says so
+    assert all(e.sweep_windows == 4 and "over 4 slab windows" in e.reason and e.reason.endswith("(faster on h100-pcie5)")
+               for e in entries)
+    sweep_plan._mark_sweeps(calls, entries, [run], {}, config)
     assert [e.reason for e in entries] == [f"offloaded {i}; a later note" for i in range(3)]
-    assert all(e.sweep is None for e in entries)
+    assert all(e.sweep is None and e.sweep_windows is None for e in entries)
