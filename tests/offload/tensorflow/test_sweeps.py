@@ -245,8 +245,8 @@ def test_unmarking_a_run_keeps_the_reasons_added_after_it():
     for e in entries:
         e.reason += "; a later note"
     sweep_plan._mark_sweeps(calls, entries, [run], {0: 4}, config)  # thicker windows: the note says so
-    assert all(e.sweep_windows == 4 and "over 4 slab windows" in e.reason and e.reason.endswith("(faster on h100-pcie5)")
-               for e in entries)
+    assert all(e.sweep_windows == 4 and "over 4 slab windows" in e.reason
+               and e.reason.endswith("(faster on h100-pcie5)") for e in entries)
     sweep_plan._mark_sweeps(calls, entries, [run], {}, config)
     assert [e.reason for e in entries] == [f"offloaded {i}; a later note" for i in range(3)]
     assert all(e.sweep is None and e.sweep_windows is None for e in entries)
