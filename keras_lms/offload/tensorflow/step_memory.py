@@ -8,7 +8,11 @@ Calibrated against the grappler-optimised graph a GPU would execute (benchmarks/
 * an offloaded call is not recomputed (graph pruning drops recompute ops no gradient needs), except max pooling,
   whose gradient reads its output;
 * grappler's layout optimizer keeps channels-first copies of the optimizer slots of 5-D kernels for the whole
-  step (seen as ``adam/Sub_*-TransposeNDHWCToNCDHW-LayoutOptimizer`` buffers).
+  step (seen as ``adam/Sub_*-TransposeNDHWCToNCDHW-LayoutOptimizer`` buffers);
+* the gradient of a tensor read by several calls (a U-Net skip tensor) comes in parts: the decoder's part waits
+  on the device until the encoder's backward, where an ``AddN`` sums the parts into a new buffer. At 448^3
+  mixed_float16 that junction is the step's peak (skip gradient, max pooling gradient and their sum, 2.68 GiB
+  each), which the model missed by 5 GiB before it held them (docs/benchmarks.md, "Gradients in parts").
 
 The planner's memory model (``keras_lms.planning.memory_model.simulate``) counts the tensors a step keeps between
 layer calls. Two more things decide the peak of large 3D models:
