@@ -47,26 +47,25 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
         refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
             plan_sweep_windows(calls, entries, config, facts, batch_size,
-                               _fits_with_sweeps(calls, entries, config, facts, batch_size, static_bytes,
-                                                 update_bytes))
+                               lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                          update_bytes, swept=swept))
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
     note_swept_host_bytes(entries)
     return entries
 
 
-def _fits_with_sweeps(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int):
-    """``fits(swept)``: whether the plan, with the sweeps ``swept`` (first call -> windows), fits
-    ``device_budget`` by the memory model with the planner's margin."""
+def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                 prefetch=None, recomputed=None, swept=None) -> bool:
+    """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
+    the given prefetch depth, recomputed tensors or sweeps (first call -> windows) in place of the plan's
+    (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``)."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes, recomputed = planned_slab_bytes(entries), recomputed_producers(entries)
-
-    def fits(swept) -> bool:
-        return simulate(calls, offloaded, facts, batch_size, config.prefetch, static_bytes,
-                        update_bytes=update_bytes, lean_normalization=config.lean_normalization,
-                        slab_bytes=slab_bytes, recomputed=recomputed,
-                        swept=swept).budget_bytes <= config.device_budget
-
-    return fits
+    memory = simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
+                      static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                      slab_bytes=planned_slab_bytes(entries),
+                      recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
+                      swept=planned_sweeps(entries) if swept is None else swept)
+    return memory.budget_bytes <= config.device_budget
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
@@ -94,10 +93,7 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
 
     best, best_seconds = config.prefetch, seconds(config.prefetch)
     for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
-        memory = simulate(calls, offloaded, facts, batch_size, prefetch, static_bytes, update_bytes=update_bytes,
-                          lean_normalization=config.lean_normalization, slab_bytes=slab_bytes,
-                          recomputed=recomputed, swept=swept)
-        if memory.budget_bytes > config.device_budget:
+        if not _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch=prefetch):
             break  # deeper holds more: nothing further fits either
         t = seconds(prefetch)
         if t < best_seconds * 0.99:  # at least 1% faster for each step deeper
@@ -150,10 +146,8 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
     fits = None
     if config.device_budget is not None:
         def fits(recomputed):  # a whole recompute holds its source's copy back longer (memory_model)
-            return simulate(calls, offloaded, facts, batch_size, config.prefetch, static_bytes,
-                            update_bytes=update_bytes, lean_normalization=config.lean_normalization,
-                            slab_bytes=slab_bytes, recomputed=recomputed,
-                            swept=swept).budget_bytes <= config.device_budget
+            return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
+                                recomputed=recomputed)
 
     chosen = choose_recomputed(candidates, seconds, fits)
     if not chosen:
