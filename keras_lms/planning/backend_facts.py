@@ -28,6 +28,16 @@ class EagerBytes(typing.NamedTuple):
     backward_layout_bytes: float = 0.0
 
 
+class SweepTiming(typing.NamedTuple):
+    """When a level sweep runs its passes (``BackendFacts.sweep_timing``), for where the memory model puts the
+    copies back that its calls trigger or read."""
+
+    passes: frozenset = frozenset()  # calls whose backward runs a pass (long: it convolves)
+    handed: dict = {}  # call -> the call at whose backward start its upstream gradient (its trigger) exists
+    first_pass: int | None = None  # the call whose backward runs the first pass
+    early_bytes: int = 0  # what the first pass holds from its prefetched windows' arrival until it runs
+
+
 class BackendFacts:
     """The memory facts of a back end's training step (the defaults: a framework that saves what gradients read).
 
@@ -183,6 +193,11 @@ class BackendFacts:
         """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``)."""
         raise NotImplementedError(f"{type(self).__name__} plans no slabs")
 
+    def prefetched_slab_bytes(self, call, read_sizes, slab) -> int:
+        """Bytes a slab-computed call's backward holds from the arrival of its prefetched copy back until it runs
+        (``read_sizes``: the host copies its backward reads): the windows only the prefetch trigger gates."""
+        return 0
+
     def slab_traffic(self, calls, index: int, slab, offloaded_row, batch_size: int):
         """A slab-computed call's host-link transfers (``planning.traffic.SlabTraffic``): the host copies it
         reads and the bytes its forward and backward bring back, halos and repeated passes included."""
@@ -210,6 +225,11 @@ class BackendFacts:
         """Call index -> the device bytes its backward holds, for the calls of a sweep of ``slab_sweeps``
         (``input_sizes`` / ``output_sizes``: per call, as ``memory_model.tensor_sizes`` gives them)."""
         raise NotImplementedError(f"{type(self).__name__} plans no sweeps")
+
+    def sweep_timing(self, calls, sweep, input_sizes) -> "SweepTiming":
+        """When a sweep of ``slab_sweeps`` runs its passes, for the memory model's prefetch positions (none
+        here: no effect)."""
+        return SweepTiming()
 
     def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
         """What a sweep of ``slab_sweeps`` reads and recomputes (TensorFlow's ``slab_costs.SweepTraffic``)."""

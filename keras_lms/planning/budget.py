@@ -15,8 +15,16 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
-from keras_lms.planning.memory_model import simulate, tensor_sizes
-from keras_lms.planning.plan import CallDecision, plan_entries, planned_slab_bytes, planned_sweeps, tensor_bytes
+from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions
+from keras_lms.planning.memory_model import BUDGET_MARGIN, simulate, tensor_sizes
+from keras_lms.planning.plan import (
+    CallDecision,
+    plan_entries,
+    planned_prefetch,
+    planned_slab_bytes,
+    planned_sweeps,
+    tensor_bytes,
+)
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
@@ -39,11 +47,22 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     if config.device_budget is not None:
         decisions = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
+    entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    if config.device_profile is not None and config.device_budget is not None:
+        entries = _keep_where_room(calls, decisions, entries, config, facts, batch_size, static_bytes, update_bytes)
+    return entries
+
+
+def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                    recomputed=frozenset()) -> list:
+    """The plan's entries from the per-call offload decisions: slabs, level sweeps and, with a device profile,
+    the recomputed tensors (a search that starts from ``recomputed``), the sweeps' windows and the prefetch
+    depth."""
     entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
     entries = _note_slabs(calls, entries, facts, batch_size)
     plan_sweeps(calls, entries, config, facts, batch_size)
     if config.device_profile is not None:
-        _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+        _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes, recomputed)
         refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
             plan_sweep_windows(calls, entries, config, facts, batch_size,
@@ -54,18 +73,71 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     return entries
 
 
-def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 prefetch=None, recomputed=None, swept=None) -> bool:
-    """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
-    the given prefetch depth, recomputed tensors or sweeps (first call -> windows) in place of the plan's
-    (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``)."""
+# The margin on the activation peak for keeping offloaded calls on the device (``_keep_where_room``), wider than
+# BUDGET_MARGIN: the memory model under-predicts plans that keep more of a level-swept 3D U-Net (at 448^3
+# mixed_float16 with a 16 GiB budget, 13.92 GiB predicted against 15.86 GiB in the executed graph: -12%, which
+# would leave none of BUDGET_MARGIN for the allocator; docs/benchmarks.md).
+KEEP_MARGIN = 1.15
+
+
+def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, static_bytes: int,
+                     update_bytes: int) -> list:
+    """The plan with the offloaded calls ``keep_plan.calls_to_keep`` picks kept on the device, re-planned
+    (sweeps, recomputed tensors, prefetch) for the new decisions, where that finished plan fits the budget and is
+    predicted faster than ``entries``; ``entries`` otherwise."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
+    prefetch = planned_prefetch(entries, config.prefetch)
+
+    def seconds(rows):
+        return _plan_seconds(calls, entries, config, facts, batch_size, rows)
+
+    def fits(rows):
+        return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
+                            prefetch=prefetch, offloaded=rows, margin=KEEP_MARGIN)
+
+    copying = {i for i, call in enumerate(calls) if any(offloaded[i]) and facts.backward_reads(call.unit)[0]}
+    saved = calls_to_keep(offloaded, seconds, fits, copying)
+    if not saved:
+        return entries
+    kept = keep_unread_activation_outputs(calls, keep_decisions(decisions, saved, config.device_profile.name), facts)
+    # (the re-plan's recompute search starts from the plan's: the kept calls may fit only with those tensors
+    # recomputed, and a search that starts from none would find no first step that fits)
+    replanned = _plan_decisions(calls, kept, config, facts, batch_size, static_bytes, update_bytes,
+                                recomputed_producers(entries))
+    before, after = seconds(offloaded), _plan_seconds(calls, replanned, config, facts, batch_size)
+    if after >= before or not _fits_budget(calls, replanned, config, facts, batch_size, static_bytes, update_bytes,
+                                           prefetch=planned_prefetch(replanned, config.prefetch), margin=KEEP_MARGIN):
+        return entries
+    log.info("keras-lms: keeping %d offloaded layer calls on the device where device_budget has room (predicted "
+             "step %.3f s instead of %.3f s on %s).", len(saved), after, before, config.device_profile.name)
+    return replanned
+
+
+def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None) -> float:
+    """The predicted step of the plan of ``entries`` on ``config.device_profile`` (with ``offloaded`` in place of
+    its offload decisions, the rest of the plan as it is)."""
+    rows = [list(e.tensor_offloaded) for e in entries] if offloaded is None else offloaded
+    return predict_step_time(calls, rows, facts, config.device_profile, batch_size,
+                             planned_prefetch(entries, config.prefetch), planned_slab_bytes(entries),
+                             config.lean_normalization, recomputed_producers(entries),
+                             planned_sweeps(entries)).step_seconds
+
+
+def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                 prefetch=None, recomputed=None, swept=None, offloaded=None, margin=BUDGET_MARGIN) -> bool:
+    """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
+    the given prefetch depth, recomputed tensors, sweeps (first call -> windows) or offload decisions in place of
+    the plan's (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``,
+    ``PlanEntry.tensor_offloaded``); ``margin`` on the activation peak (the planner's, or ``KEEP_MARGIN``)."""
+    if offloaded is None:
+        offloaded = [list(e.tensor_offloaded) for e in entries]
     memory = simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
                       static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
                       slab_bytes=planned_slab_bytes(entries),
                       recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
                       swept=planned_sweeps(entries) if swept is None else swept)
-    return memory.budget_bytes <= config.device_budget
+    return memory.static_bytes + max(int(memory.activation_peak_bytes * margin),
+                                     memory.update_bytes) <= config.device_budget
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
@@ -125,9 +197,9 @@ def keep_unread_activation_outputs(calls, decisions, facts) -> list:
 
 
 def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
-                    update_bytes: int = 0) -> None:
+                    update_bytes: int = 0, start=frozenset()) -> None:
     """Mark the tensors to recompute instead of copying (``planning.recompute``), chosen by the predicted step
-    on ``config.device_profile``, and say so in the entries' reasons."""
+    on ``config.device_profile`` (a search that starts from ``start``), and say so in the entries' reasons."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
     slab_bytes = planned_slab_bytes(entries)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
@@ -149,7 +221,7 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
             return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
                                 recomputed=recomputed)
 
-    chosen = choose_recomputed(candidates, seconds, fits)
+    chosen = choose_recomputed(candidates, seconds, fits, start)
     if not chosen:
         return
     log.info("keras-lms: recomputing %d tensors instead of copying them (predicted step %.3f s on %s).",

@@ -102,7 +102,19 @@ def convolution_channels(unit, call) -> int:
 
 def call_cost(call, batch_size: int = 1, facts=None) -> CallCost:
     """The cost of one traced call (``planning.RawCall``) at ``batch_size``; with ``facts`` (the back end's
-    ``BackendFacts``), memory-bound bytes as that framework's eager kernels move them where it counts them."""
+    ``BackendFacts``), memory-bound bytes as that framework's eager kernels move them where it counts them.
+    Kept on the call (``RawCall.derived``): the planner's searches predict hundreds of steps of the same calls."""
+    derived = getattr(call, "derived", None)
+    if derived is None:
+        return _call_cost(call, batch_size, facts)
+    key = ("call_cost", batch_size, id(facts))
+    known = derived.get(key)
+    if known is None or known[0] is not facts:
+        known = derived[key] = (facts, _call_cost(call, batch_size, facts))
+    return known[1]
+
+
+def _call_cost(call, batch_size: int, facts) -> CallCost:
     unit = call.unit
     dtype = _compute_dtype(unit, call)
     flops = kernel_flops(unit, call, batch_size)

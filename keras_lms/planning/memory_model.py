@@ -118,8 +118,11 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     if recomputed:
         chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
         sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
-    held_in_sweeps = {}
-    for sweep in chosen_sweeps(facts, calls, offloaded, slabs, swept):
+    held_in_sweeps, planned = {}, chosen_sweeps(facts, calls, offloaded, slabs, swept)
+    timings = [facts.sweep_timing(calls, sweep, sizes_in) for sweep in planned]
+    passes = frozenset().union(*(t.passes for t in timings))  # long backwards: they convolve
+    handed = {call: at for t in timings for call, at in t.handed.items()}
+    for sweep in planned:
         held_in_sweeps.update(facts.sweep_backward_bytes(calls, sweep, slabs, sizes_in, sizes_out))
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
@@ -140,10 +143,13 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         if prefetch <= 0:
             return positions - 1 - reader
         trigger = min(reader + prefetch, n - 1)
+        trigger = handed.get(trigger, trigger)  # a swept call's gradient may exist before its own backward
         # the copy back takes about as long as a short (memory-bound) backward: it lands during the trigger's
-        # backward only when that is a convolution/matmul, else after it (or its memory is allocated when the
-        # trigger's backward issues the copy: BackendFacts.copy_back_allocated_at_trigger).
-        late = 0 if facts.copy_back_allocated_at_trigger or _is_kernel(calls[trigger].unit) else arrival
+        # backward only when that is a convolution/matmul or a sweep's pass (which runs convolutions), else after
+        # it (or its memory is allocated when the trigger's backward issues the copy:
+        # BackendFacts.copy_back_allocated_at_trigger).
+        long = _is_kernel(calls[trigger].unit) or trigger in passes
+        late = 0 if facts.copy_back_allocated_at_trigger or long else arrival
         start = positions - 1 - trigger + late
         return min(start, positions - 1 - reader)
 
@@ -182,6 +188,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
                 hold(size, arrives(i), backward)
                 if key in sources:
                     _hold_recompute_inputs(sources[key], arrives(i), backward, arrives, hold)
+        if i in slabs and i not in held_in_sweeps and reads_inputs:  # its first windows land early (prefetch)
+            read = [size for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]) if off and key not in sources]
+            hold(facts.prefetched_slab_bytes(call, read, slabs[i]), arrives(i), backward - 1)
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
         # (normalization; layout copies), and the recomputed output of an offloaded call (max pooling, or every
         # call on a back end that recomputes them: BackendFacts.recomputes_offloaded_calls)
@@ -210,6 +219,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             grads = 0  # no gradient reaches a concatenation nobody reads
         hold(grads, backward, backward)
         hold(facts.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i)), i, i)
+    for timing in timings:  # a sweep's first windows land early (prefetch) and are recomputed through the run
+        if timing.first_pass is not None:
+            hold(timing.early_bytes, arrives(timing.first_pass), positions - 2 - timing.first_pass)
     if facts.gradients_wait_between_readers:
         _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, facts.concatenate_gradient_is_view,
                                 facts.gradient_sum_allocated)

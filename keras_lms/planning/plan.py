@@ -5,6 +5,7 @@ entry (``PlanEntry``, what ``LMSModel.lms_plan`` lists) and tensor sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -85,6 +86,13 @@ class PlanEntry:
 
 def tensor_bytes(shape: Sequence, dtype, batch_size: int = 1) -> int:
     """Bytes of a tensor; an unknown leading dimension counts as ``batch_size``, other unknowns as 1."""
+    return _tensor_bytes(tuple(shape), getattr(dtype, "name", None) or str(dtype), batch_size)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tensor_bytes(shape: tuple, dtype: str, batch_size: int) -> int:
+    """(cached: the planner's searches ask for the same few hundred tensors' sizes hundreds of thousands of
+    times; the dtype lookup dominated a 3D U-Net's planning time)"""
     itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
     n = 1
     for axis, dim in enumerate(shape):
@@ -114,6 +122,8 @@ class RawCall:
     output_dtypes: list
     offloadable: str | None
     output_keys: list = dataclasses.field(default_factory=list)  # identity of each output tensor (may be empty)
+    # what the planner computed from this call and may ask again (``call_costs.call_cost``); never compared
+    derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def call_graph(calls) -> tuple:

@@ -122,7 +122,7 @@ def recomputed_producers(entries) -> frozenset:
 CHAIN_DEPTH = 3
 
 
-def choose_recomputed(candidates: dict, step_seconds, fits=None) -> frozenset:
+def choose_recomputed(candidates: dict, step_seconds, fits=None, start=frozenset()) -> frozenset:
     """The producers whose outputs to recompute, chosen to shorten ``step_seconds(recomputed)``.
 
     The search: greedy in forward order. Each candidate is tried alone and together with its not yet chosen
@@ -140,6 +140,8 @@ def choose_recomputed(candidates: dict, step_seconds, fits=None) -> frozenset:
         candidates: producer index -> ``RecomputeSource`` (only ``chosen`` ones are candidates).
         step_seconds: ``recomputed (frozenset of producer indices) -> predicted step seconds``.
         fits: ``recomputed -> bool`` (the memory model); None: every choice fits.
+        start: producers chosen before the search (those of a plan being re-planned with fewer tensors copied,
+            which may fit the budget only with them); the search adds to them and the local search may drop them.
 
     Returns:
         The chosen producer indices.
@@ -148,7 +150,7 @@ def choose_recomputed(candidates: dict, step_seconds, fits=None) -> frozenset:
     order = sorted(p for p, source in candidates.items() if source.chosen)
     producer_of = {candidates[p].key: p for p in order}
     parents = {p: [producer_of[k] for k, _ in candidates[p].inputs if k in producer_of] for p in order}
-    chosen = frozenset()
+    chosen = frozenset(p for p in start if p in producer_of.values())
     best = step_seconds(chosen)
     for p in order:
         if p in chosen:

@@ -38,6 +38,7 @@ import keras
 from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs, sweeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
+from keras_lms.planning.backend_facts import SweepTiming
 from keras_lms.planning.memory_model import variable_bytes
 from keras_lms.planning.plan import tensor_bytes
 
@@ -155,6 +156,33 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     return held
 
 
+# Windows of a slab backward (or a sweep's first pass) whose copy back only the prefetch trigger gates: each
+# later window waits for the one before the previous to finish (``slabs.backward``: ``finished[0]``), so the
+# first two land as soon as the trigger's backward starts and wait there for the gradient.
+EARLY_WINDOWS = 2
+
+
+def prefetched_slab_bytes(call, read_sizes, slab) -> int:
+    """The early windows of a slab-computed call's backward, as their first reader leaves them: a BatchNorm casts
+    a 16-bit window to float32 at once (seen in the executed graph at 448^3 mixed_float16: four level-1 windows,
+    1.78 GiB of ``Cast`` ops on ``lms_swap_in_*_bwd_rows*`` live during the level above's backward)."""
+    if not read_sizes or slab is None:
+        return 0
+    ratio = _compute_ratio(call.dtypes[0]) if layer_facts.is_keras_class(call.unit, {"BatchNormalization"}) else 1.0
+    return int(sum(read_sizes) / slab.count * min(EARLY_WINDOWS, slab.count) * ratio)
+
+
+def prefetched_sweep_bytes(calls, sweep, sizes_in) -> int:
+    """The early windows of a sweep's first pass, and what is recomputed from them before the gradient comes: per
+    window the run's input rows, and the last unit's BatchNorm input in float32 (under mixed precision its cast)
+    beside the activation's output (seen in the executed graph: ``lms_sweep_*/Cast`` and ``Relu`` windows)."""
+    first, (_, bn, act) = sweep.units[0][0], sweep.units[-1]
+    windows = max(1, sweep.windows)
+    ratio = _compute_ratio(calls[bn].dtypes[0])
+    per_window = (sum(sizes_in[first]) + sum(sizes_in[bn]) * ratio + sum(sizes_in[act])) / windows
+    return int(per_window * min(EARLY_WINDOWS, windows))
+
+
 def normalization_float32_bytes(call, sizes_in) -> int:
     """The float32 share of a whole (not slab-computed) BatchNormalization backward's temporaries beyond what
     ``layer_facts.NORMALIZATION_TEMPORARIES`` input-sized buffers count: under mixed precision Keras computes
@@ -187,6 +215,14 @@ class TensorFlowFacts(BackendFacts):
     def normalization_extra_bytes(self, call, input_sizes) -> int:
         return normalization_float32_bytes(call, input_sizes)
 
+    def saved_extra_bytes(self, unit, input_bytes: int, output_bytes: int) -> int:
+        # A kept BatchNormalization's gradient reads the float32 cast of a 16-bit input (Keras upcasts it), not
+        # the input: twice its bytes, where the model holds the input itself. Seen in the executed graph at
+        # 448^3 mixed_float16 (``up1_bn1/Cast:0``, 1.34 GiB live at the peak beside a 0.67 GiB input).
+        if layer_facts.is_keras_class(unit, {"BatchNormalization"}):
+            return int(input_bytes * (_compute_ratio(str(getattr(unit, "compute_dtype", "float32"))) - 1))
+        return 0
+
     def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
         return forward_temporaries(call, input_sizes, output_sizes, slab)
 
@@ -217,6 +253,16 @@ class TensorFlowFacts(BackendFacts):
 
     def sweep_backward_bytes(self, calls, sweep, slabs: dict, input_sizes, output_sizes) -> dict:
         return sweep_backward_bytes(calls, sweep, slabs, input_sizes, output_sizes)
+
+    def prefetched_slab_bytes(self, call, read_sizes, slab) -> int:
+        return prefetched_slab_bytes(call, read_sizes, slab)
+
+    def sweep_timing(self, calls, sweep, input_sizes) -> SweepTiming:
+        # pass A in the last activation's backward, pass B_j in BatchNorm j's; convolution j's gradient is handed
+        # to it when BatchNorm j's pass starts (slab_calls: BatchNorm's backward returns its upstream gradient)
+        return SweepTiming(passes=frozenset([bn for _, bn, _ in sweep.units] + [sweep.units[-1][2]]),
+                           handed={conv: bn for conv, bn, _ in sweep.units}, first_pass=sweep.units[-1][2],
+                           early_bytes=prefetched_sweep_bytes(calls, sweep, input_sizes))
 
     def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
         return slab_costs.sweep_traffic(calls, sweep, slabs, offloaded, concatenation_parts(calls, batch_size),

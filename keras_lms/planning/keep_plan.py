@@ -1,0 +1,84 @@
+"""Keep on the device what the budget has room for, chosen by the time its copies cost (the "keep" of the plan's
+keep / copy / recompute decision, made by the step-time model).
+
+Why: the budget planner (``budget.fit_budget``) offloads tensors by bytes x distance until the memory model fits
+``device_budget``, before it knows what the rest of the plan saves. The level sweeps and the recomputed tensors
+chosen after it hold less than the copies they replace, so the finished plan often has room left: at 448^3
+mixed_float16 with a 16 GiB budget the H100-PCIe5 plan is predicted at 13.6 GiB of the budget's 16 (margin
+included), while the decoder's level-1 tensors still go over a 35 GB/s link. Keeping a few of them cuts the
+predicted step by 13% there (docs/benchmarks.md). Which ones is a question of time, not of bytes: a tensor
+whose copy back hides behind its backward's compute costs nothing to offload, one the backward waits for costs
+all of its transfer.
+
+The search: every offloaded call alone, kept whole (its inputs stay on the device), with the plan's other
+decisions as they are; those that fit the budget (the memory model with the planner's margin) and shorten the
+predicted step are then taken greedily, best first, each re-checked with the ones already taken. The caller
+re-plans the sweeps, recomputed tensors and prefetch for the new decisions and keeps whichever finished plan is
+faster. Greedy, because the gains interact through one shared link and one memory peak: an exact search over
+subsets would cost far more planning time than ``wrap()`` can spend, for a few milliseconds of step.
+"""
+
+from __future__ import annotations
+
+from keras_lms.planning.plan import CallDecision
+
+# A flip must shorten the predicted step by at least this much to be kept (seconds: below the model's accuracy,
+# a kept tensor only costs memory).
+MIN_GAIN_SECONDS = 1e-4
+
+
+def kept_row(offloaded, indices) -> list:
+    """``offloaded`` with every input of the calls ``indices`` kept on the device."""
+    out = [list(row) for row in offloaded]
+    for i in indices:
+        out[i] = [False] * len(out[i])
+    return out
+
+
+def calls_to_keep(offloaded, step_seconds, fits, candidates=None) -> dict:
+    """The offloaded calls to keep on the device instead (see the module docstring).
+
+    Args:
+        offloaded: per call, per input: whether the plan copies it to host.
+        step_seconds: ``offloaded -> predicted step seconds`` with the plan's other decisions.
+        fits: ``offloaded -> bool``: the plan still fits the device budget.
+        candidates: the calls worth trying (None: every offloaded one); the caller leaves out calls whose
+            backward reads none of their inputs, whose "offload" copies nothing.
+
+    Returns:
+        ``{call index: seconds its keeping saved when it was taken}``, in the order they were taken.
+    """
+    best = step_seconds(offloaded)
+    singles = []
+    for i, row in enumerate(offloaded):
+        if not any(row) or (candidates is not None and i not in candidates):
+            continue
+        trial = kept_row(offloaded, [i])
+        if not fits(trial):
+            continue
+        seconds = step_seconds(trial)
+        if seconds < best - MIN_GAIN_SECONDS:
+            singles.append((seconds, i))
+    taken = {}
+    for _, i in sorted(singles):
+        trial = kept_row(offloaded, [*taken, i])
+        if not fits(trial):
+            continue
+        seconds = step_seconds(trial)
+        if seconds < best - MIN_GAIN_SECONDS:
+            taken[i] = best - seconds
+            best = seconds
+    return taken
+
+
+def keep_decisions(decisions, saved_seconds: dict, profile_name: str) -> list:
+    """``decisions`` with the calls of ``saved_seconds`` (index -> seconds, ``calls_to_keep``) kept, each with
+    its reason: the predicted step time its copies would cost on the profile."""
+    out = list(decisions)
+    for i in saved_seconds:
+        d = decisions[i]
+        out[i] = CallDecision([False] * len(d.offload_tensor),
+                              f"kept: device_budget has room for it, and its copies to host and back would make "
+                              f"the predicted step {saved_seconds[i] * 1e3:.1f} ms longer on {profile_name}",
+                              d.slab_bytes, d.recompute_from)
+    return out
