@@ -16,7 +16,7 @@ import logging
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions
-from keras_lms.planning.memory_model import BUDGET_MARGIN, simulate, tensor_sizes
+from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import (
     CallDecision,
     plan_entries,
@@ -49,7 +49,11 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     if config.device_profile is not None and config.device_budget is not None:
-        entries = _keep_where_room(calls, decisions, entries, config, facts, batch_size, static_bytes, update_bytes)
+        for _ in range(KEEP_ROUNDS):
+            decisions, entries, kept = _keep_where_room(calls, decisions, entries, config, facts, batch_size,
+                                                        static_bytes, update_bytes)
+            if not kept:
+                break
     return entries
 
 
@@ -73,18 +77,16 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
     return entries
 
 
-# The margin on the activation peak for keeping offloaded calls on the device (``_keep_where_room``), wider than
-# BUDGET_MARGIN: the memory model under-predicts plans that keep more of a level-swept 3D U-Net (at 448^3
-# mixed_float16 with a 16 GiB budget, 13.92 GiB predicted against 15.86 GiB in the executed graph: -12%, which
-# would leave none of BUDGET_MARGIN for the allocator; docs/benchmarks.md).
-KEEP_MARGIN = 1.15
+# Rounds of the keep search: a re-planned plan (other sweeps, recomputed tensors, prefetch) may leave room for more.
+KEEP_ROUNDS = 2
 
 
 def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, static_bytes: int,
-                     update_bytes: int) -> list:
-    """The plan with the offloaded calls ``keep_plan.calls_to_keep`` picks kept on the device, re-planned
-    (sweeps, recomputed tensors, prefetch) for the new decisions, where that finished plan fits the budget and is
-    predicted faster than ``entries``; ``entries`` otherwise."""
+                     update_bytes: int) -> tuple:
+    """``(decisions, entries, whether any call was kept)``: the plan with the offloaded calls
+    ``keep_plan.calls_to_keep`` picks kept on the device, re-planned (sweeps, recomputed tensors, prefetch) for
+    the new decisions, where that finished plan fits the budget and is predicted faster than ``entries``; the
+    plan as it was otherwise."""
     offloaded = [list(e.tensor_offloaded) for e in entries]
     prefetch = planned_prefetch(entries, config.prefetch)
 
@@ -93,12 +95,12 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
 
     def fits(rows):
         return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
-                            prefetch=prefetch, offloaded=rows, margin=KEEP_MARGIN)
+                            prefetch=prefetch, offloaded=rows)
 
     copying = {i for i, call in enumerate(calls) if any(offloaded[i]) and facts.backward_reads(call.unit)[0]}
     saved = calls_to_keep(offloaded, seconds, fits, copying)
     if not saved:
-        return entries
+        return decisions, entries, False
     kept = keep_unread_activation_outputs(calls, keep_decisions(decisions, saved, config.device_profile.name), facts)
     # (the re-plan's recompute search starts from the plan's: the kept calls may fit only with those tensors
     # recomputed, and a search that starts from none would find no first step that fits)
@@ -106,11 +108,11 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
                                 recomputed_producers(entries))
     before, after = seconds(offloaded), _plan_seconds(calls, replanned, config, facts, batch_size)
     if after >= before or not _fits_budget(calls, replanned, config, facts, batch_size, static_bytes, update_bytes,
-                                           prefetch=planned_prefetch(replanned, config.prefetch), margin=KEEP_MARGIN):
-        return entries
+                                           prefetch=planned_prefetch(replanned, config.prefetch)):
+        return decisions, entries, False
     log.info("keras-lms: keeping %d offloaded layer calls on the device where device_budget has room (predicted "
              "step %.3f s instead of %.3f s on %s).", len(saved), after, before, config.device_profile.name)
-    return replanned
+    return kept, replanned, True
 
 
 def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None) -> float:
@@ -124,11 +126,11 @@ def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None
 
 
 def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 prefetch=None, recomputed=None, swept=None, offloaded=None, margin=BUDGET_MARGIN) -> bool:
+                 prefetch=None, recomputed=None, swept=None, offloaded=None) -> bool:
     """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
     the given prefetch depth, recomputed tensors, sweeps (first call -> windows) or offload decisions in place of
     the plan's (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``,
-    ``PlanEntry.tensor_offloaded``); ``margin`` on the activation peak (the planner's, or ``KEEP_MARGIN``)."""
+    ``PlanEntry.tensor_offloaded``)."""
     if offloaded is None:
         offloaded = [list(e.tensor_offloaded) for e in entries]
     memory = simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
@@ -136,8 +138,7 @@ def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: i
                       slab_bytes=planned_slab_bytes(entries),
                       recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
                       swept=planned_sweeps(entries) if swept is None else swept)
-    return memory.static_bytes + max(int(memory.activation_peak_bytes * margin),
-                                     memory.update_bytes) <= config.device_budget
+    return memory.budget_bytes <= config.device_budget
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from keras_lms.planning.plan import CallDecision
 
-# A flip must shorten the predicted step by at least this much to be kept (seconds: below the model's accuracy,
-# a kept tensor only costs memory).
-MIN_GAIN_SECONDS = 1e-4
+# A kept call must shorten the predicted step by at least this share of it (below the model's accuracy, a kept
+# tensor only costs memory).
+MIN_GAIN = 1e-3
 
 
 def kept_row(offloaded, indices) -> list:
@@ -49,6 +49,7 @@ def calls_to_keep(offloaded, step_seconds, fits, candidates=None) -> dict:
         ``{call index: seconds its keeping saved when it was taken}``, in the order they were taken.
     """
     best = step_seconds(offloaded)
+    min_gain = best * MIN_GAIN
     singles = []
     for i, row in enumerate(offloaded):
         if not any(row) or (candidates is not None and i not in candidates):
@@ -57,7 +58,7 @@ def calls_to_keep(offloaded, step_seconds, fits, candidates=None) -> dict:
         if not fits(trial):
             continue
         seconds = step_seconds(trial)
-        if seconds < best - MIN_GAIN_SECONDS:
+        if seconds < best - min_gain:
             singles.append((seconds, i))
     taken = {}
     for _, i in sorted(singles):
@@ -65,7 +66,7 @@ def calls_to_keep(offloaded, step_seconds, fits, candidates=None) -> dict:
         if not fits(trial):
             continue
         seconds = step_seconds(trial)
-        if seconds < best - MIN_GAIN_SECONDS:
+        if seconds < best - min_gain:
             taken[i] = best - seconds
             best = seconds
     return taken
