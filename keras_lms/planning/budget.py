@@ -115,13 +115,16 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
     return kept, replanned, True
 
 
-def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None) -> float:
-    """The predicted step of the plan of ``entries`` on ``config.device_profile`` (with ``offloaded`` in place of
-    its offload decisions, the rest of the plan as it is)."""
+def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None,
+                  recomputed=None) -> float:
+    """The predicted step of the plan of ``entries`` on ``config.device_profile``, with the given offload
+    decisions, prefetch depth or recomputed tensors in place of the plan's (the rest of the plan as it is; the
+    time-side twin of ``_fits_budget``)."""
     rows = [list(e.tensor_offloaded) for e in entries] if offloaded is None else offloaded
     return predict_step_time(calls, rows, facts, config.device_profile, batch_size,
-                             planned_prefetch(entries, config.prefetch), planned_slab_bytes(entries),
-                             config.lean_normalization, recomputed_producers(entries),
+                             planned_prefetch(entries, config.prefetch) if prefetch is None else prefetch,
+                             planned_slab_bytes(entries), config.lean_normalization,
+                             recomputed_producers(entries) if recomputed is None else recomputed,
                              planned_sweeps(entries)).step_seconds
 
 
@@ -156,13 +159,8 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
     gradient arrives) is the user's explicit choice and is kept."""
     if config.prefetch < 1 or not any(e.offloaded for e in entries):
         return
-    offloaded = [list(e.tensor_offloaded) for e in entries]
-    slab_bytes = planned_slab_bytes(entries)
-    recomputed, swept = recomputed_producers(entries), planned_sweeps(entries)
-
     def seconds(prefetch):
-        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, prefetch, slab_bytes,
-                                 config.lean_normalization, recomputed, swept).step_seconds
+        return _plan_seconds(calls, entries, config, facts, batch_size, prefetch=prefetch)
 
     best, best_seconds = config.prefetch, seconds(config.prefetch)
     for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
@@ -210,11 +208,8 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
     if not candidates:
         return
 
-    swept = planned_sweeps(entries)
-
     def seconds(recomputed):
-        return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
-                                 slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
+        return _plan_seconds(calls, entries, config, facts, batch_size, recomputed=recomputed)
 
     fits = None
     if config.device_budget is not None:

@@ -5,10 +5,10 @@ Why: the budget planner (``budget.fit_budget``) offloads tensors by bytes x dist
 ``device_budget``, before it knows what the rest of the plan saves. The level sweeps and the recomputed tensors
 chosen after it hold less than the copies they replace, so the finished plan often has room left: at 448^3
 mixed_float16 with a 16 GiB budget the H100-PCIe5 plan is predicted at 13.6 GiB of the budget's 16 (margin
-included), while the decoder's level-1 tensors still go over a 35 GB/s link. Keeping a few of them cuts the
-predicted step by 13% there (docs/benchmarks.md). Which ones is a question of time, not of bytes: a tensor
-whose copy back hides behind its backward's compute costs nothing to offload, one the backward waits for costs
-all of its transfer.
+included), while the decoder's level-1 tensors still go over a 35 GB/s link. Keeping four calls cuts the
+predicted step by 5% there, 2.45x -> 2.32x the plain step (docs/benchmarks.md). Which ones is a question of
+time, not of bytes: a tensor whose copy back hides behind its backward's compute costs nothing to offload, one
+the backward waits for costs all of its transfer.
 
 The search: every offloaded call alone, kept whole (its inputs stay on the device), with the plan's other
 decisions as they are; those that fit the budget (the memory model with the planner's margin) and shorten the
