@@ -48,7 +48,10 @@ class ActivationReport:
 
     Rows also carry `decision` (`"keep"`, `"copy"`: its inputs' host copies come back for its backward, or
     `"copy+recompute"`: they come back and its forward is recomputed from them) and the call's
-    `device_to_host_bytes` / `host_to_device_bytes` over the host link. Totals split the traffic into
+    `device_to_host_bytes` / `host_to_device_bytes` over the host link; with a `device_profile`, also
+    `predicted_wait_seconds` (how long the device waits for the call's copies back, forward and backward: the
+    step's exposed copy time, call by call) and `predicted_recompute_seconds` (what the plan's recompute adds to
+    the call's forward and backward). Totals split the traffic into
     `device_to_host_bytes_per_step` and `host_to_device_bytes_per_step` (a copy comes back once per backward
     that reads it, slab windows with their halos).
 
@@ -111,17 +114,21 @@ class ActivationReport:
         from rich.table import Table
 
         table = Table(title=f"keras-lms activation report: {self.model_name}, batch size {self.batch_size}")
-        for column in ("#", "layer", "class", "output shape", "output", "inputs", "to host", "back", "decision",
-                       "why"):
+        timed = bool(self.times)  # with a device profile: where each call's time goes
+        columns = ["#", "layer", "class", "output shape", "output", "inputs", "to host", "back", "decision"]
+        columns += ["waits ms", "recompute ms"] if timed else []
+        for column in (*columns, "why"):
             table.add_column(column, overflow="fold")
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
+            times = [f"{r[key] * 1e3:.1f}" for key in ("predicted_wait_seconds", "predicted_recompute_seconds")
+                     if timed]
             table.add_row(str(r["index"]), r["layer"], r["class"], str(r["output_shape"]),
                           format_bytes(r["output_bytes"]), format_bytes(r["input_bytes"]),
                           format_bytes(r["device_to_host_bytes"]), format_bytes(r["host_to_device_bytes"]),
-                          r["decision"], r["reason"])
+                          r["decision"], *times, r["reason"])
         if max_rows is not None and len(self.rows) > max_rows:
-            table.add_row("...", f"{len(self.rows) - max_rows} more calls", "", "", "", "", "", "", "", "")
+            table.add_row("...", f"{len(self.rows) - max_rows} more calls", *[""] * (len(columns) - 1))
         t = self.totals
         summary = Table(title="per step, per rank", show_header=False)
         summary.add_column("what")
@@ -332,6 +339,9 @@ def report(model_or_wrapped, batch_size: int, input_shape=None, dtype=None, devi
     if profile is not None:
         times = plan_times(step, profile)
         planned = times["as planned"]
+        for row in rows:  # where the plan's time goes, call by call
+            row.update(predicted_wait_seconds=planned.call_waits[row["index"]],
+                       predicted_recompute_seconds=planned.call_recomputes[row["index"]])
         totals.update(device_profile=profile.name,
                       predicted_compute_seconds=planned.compute_seconds,
                       predicted_recompute_seconds=planned.recompute_seconds,

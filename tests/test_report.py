@@ -153,6 +153,11 @@ def test_report_predicts_step_times_on_a_device_profile():
     assert sum(r["device_to_host_bytes"] + r["host_to_device_bytes"] for r in rep.rows) == t["transfer_bytes_per_step"]
     assert {r["decision"] for r in rep.rows} <= {"keep", "copy", "copy+recompute"}
     assert "predicted step time (ms) on h100-pcie5" in rep.to_text()
+    # call by call: where the exposed copy time and the recompute are
+    assert sum(r["predicted_wait_seconds"] for r in rep.rows) == pytest.approx(planned.exposed_seconds)
+    assert sum(r["predicted_recompute_seconds"] for r in rep.rows) == pytest.approx(planned.recompute_seconds)
+    assert any(r["predicted_wait_seconds"] > 0 for r in rep.rows)
+    assert "waits ms" in rep.to_text() and "waits ms" not in keras_lms.report(model, batch_size=4).to_text()
     data = json.loads(rep.to_json())
     assert data["times"]["as planned"]["step_seconds"] == planned.step_seconds
     assert data["device_profile"]["name"] == "h100-pcie5"

@@ -47,6 +47,9 @@ class StepTime:
         step_seconds: compute + recompute + exposed.
         flops: kernel FLOPs the plain step runs; recompute_flops: the plan's extra kernel FLOPs.
         device_to_host_bytes / host_to_device_bytes: the plan's host-link traffic (``traffic.link_traffic``).
+        call_waits: per call (forward order), the seconds the compute stream waits for its copies back, forward
+            and backward together: where the exposed time is, which the report shows per row.
+        call_recomputes: per call, the seconds of recompute its forward and backward add.
     """
 
     compute_seconds: float
@@ -59,6 +62,8 @@ class StepTime:
     recompute_flops: float
     device_to_host_bytes: int
     host_to_device_bytes: int
+    call_waits: tuple = ()
+    call_recomputes: tuple = ()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -152,6 +157,7 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     link = _Link(profile, facts.shared_copy_stream)
     plain = recompute = flops = extra_flops = 0.0
+    waits, redone = [0.0] * n, [0.0] * n
     pending = {}  # call index -> its backward's copy-back pieces, once issued
 
     def issue_backward(i):
@@ -175,6 +181,7 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         redo, redo_flops = window_recompute(traffic.forward_recompute[i], cost.dtype)
         run += redo
         plain, recompute = plain + base, recompute + run - base
+        redone[i] += run - base
         flops += cost.forward_flops
         extra_flops += (cost.forward_flops * (factor - 1) if i not in elided else 0.0) + redo_flops
         k = traffic.backward_pieces[i] if traffic.forward_in_bytes[i] else 1
@@ -182,6 +189,7 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         for j in range(k):
             link.issue("in", traffic.forward_in_bytes[i] / k, ("fwd", i, j), after)
         for j in range(k):
+            waits[i] += max(0.0, link.completion(("fwd", i, j)) - t)
             t = max(t, link.completion(("fwd", i, j)))
             link.advance_to(t)
             t += run / k
@@ -206,15 +214,17 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
         redo, redo_flops = window_recompute(traffic.backward_recompute[i], cost.dtype)
         run, extra = run + redo, extra + redo_flops
         plain, recompute, extra_flops = plain + base, recompute + run - base, extra_flops + extra
+        redone[i] += run - base
         pieces = pending[i]
         for ident in pieces:
+            waits[i] += max(0.0, link.completion(ident) - t)
             t = max(t, link.completion(ident))
             link.advance_to(t)
             t += run / len(pieces)
     link.advance_to(math.inf)
     exposed = max(0.0, t - plain - recompute)
     return StepTime(plain, recompute, link.busy["out"], link.busy["in"], exposed, t, flops, extra_flops,
-                    traffic.device_to_host_bytes, traffic.host_to_device_bytes)
+                    traffic.device_to_host_bytes, traffic.host_to_device_bytes, tuple(waits), tuple(redone))
 
 
 def recomputes_forward(call, facts, lean_normalization: bool = True) -> bool:

@@ -116,6 +116,9 @@ def test_a_slow_link_is_exposed_and_a_fast_one_is_hidden():
     # the step cannot be shorter than the copies back it waits for
     assert slow.step_seconds >= slow.host_to_device_bytes / 1e9
     assert slow.step_seconds == pytest.approx(slow.compute_seconds + slow.recompute_seconds + slow.exposed_seconds)
+    # call by call: the waits add up to the exposed time, and a fast link leaves none
+    assert len(slow.call_waits) == len(calls) and sum(slow.call_waits) == pytest.approx(slow.exposed_seconds)
+    assert all(w > 0 for w in slow.call_waits[:2]) and sum(fast.call_waits) == pytest.approx(0, abs=1e-9)
 
 
 def test_prefetch_hides_a_copy_behind_a_later_calls_backward():
@@ -131,6 +134,8 @@ def test_prefetch_hides_a_copy_behind_a_later_calls_backward():
     late = predict_step_time(calls, [[True], [False]], facts, slow, prefetch=0)
     assert ahead.exposed_seconds == pytest.approx(0, abs=1e-6)
     assert late.exposed_seconds == pytest.approx(4000 / 4e4, rel=1e-3)
+    # the wait is the ReLU's: its input's copy, not the Dense call, holds the step up
+    assert late.call_waits[0] == pytest.approx(late.exposed_seconds) and late.call_waits[1] == 0
 
 
 def test_both_directions_busy_use_the_concurrent_rates():
