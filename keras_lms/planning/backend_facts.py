@@ -180,6 +180,11 @@ class BackendFacts:
         """Bytes a call holds only while its forward runs, besides its inputs and outputs."""
         return 0
 
+    def backward_layout_bytes(self, call, input_sizes, output_sizes) -> int:
+        """Bytes a whole (not slab-computed) call's backward holds in other memory layouts: copies of its output
+        gradient and input that a layout optimiser makes for the kernels."""
+        return 0
+
     # ------------------------------------------------------------------ slabs
     def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         """Call index -> slab plan (``.count`` slabs) of the offloaded calls computed slab by slab (none here)."""
@@ -190,7 +195,9 @@ class BackendFacts:
         return {}
 
     def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
-        """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``)."""
+        """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``); ``input_sizes``
+        are the input gradients it assembles: the parts of a concatenation it reads in parts
+        (``elided_concatenations``), else its inputs."""
         raise NotImplementedError(f"{type(self).__name__} plans no slabs")
 
     def prefetched_slab_bytes(self, call, read_sizes, slab) -> int:

@@ -114,6 +114,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
     elided = facts.elided_concatenations(calls, slabs, batch_size)  # never built: its reader reads parts
+    read_in_parts = {reader: concatenation for concatenation, reader in elided.items()}
     sources = {}
     if recomputed:
         chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
@@ -209,12 +210,14 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         if lean:
             grads += facts.lean_normalization_temporary_bytes(call.shapes[0], call.dtypes[0], batch_size)
         grads += facts.normalization_extra_bytes(call, sizes_in[i])
+        grads += facts.backward_layout_bytes(call, sizes_in[i], sizes_out[i])
         if facts.input_freed_before_input_gradient(call):
             grads -= min(sum(sizes_in[i]), in_grads)  # the input's buffer is free before the gradient's
         if i in held_in_sweeps:
             grads = held_in_sweeps[i]
-        elif i in slabs:
-            grads = facts.slab_backward_bytes(call, sizes_in[i], sizes_out[i], slabs[i])
+        elif i in slabs:  # a reader of a concatenation's parts assembles their gradients one part at a time
+            assembled = sizes_in[read_in_parts[i]] if i in read_in_parts else sizes_in[i]
+            grads = facts.slab_backward_bytes(call, assembled, sizes_out[i], slabs[i])
         elif i in elided:
             grads = 0  # no gradient reaches a concatenation nobody reads
         hold(grads, backward, backward)

@@ -29,6 +29,8 @@ def test_room_left_by_the_sweeps_keeps_calls_whose_copies_cost_time(mixed_precis
     assert all("ms longer on h100-pcie5" in r["reason"] for r in kept.rows if r["layer"] in names)
     assert kept.totals["budget_peak_bytes"] <= 16 << 30 and kept.totals["fits_device_budget"]
     faster, slower = kept.times["as planned"], control.times["as planned"]
-    assert faster.step_seconds < 0.97 * slower.step_seconds
+    # 0.537 s against 0.548 (1.9%; 5% before the memory model charged a concatenation's reader its parts, which
+    # left the planner more room before the search)
+    assert faster.step_seconds < 0.99 * slower.step_seconds
     assert faster.host_to_device_bytes + faster.device_to_host_bytes < (
         slower.host_to_device_bytes + slower.device_to_host_bytes)
