@@ -214,10 +214,17 @@ class BackendFacts:
         """``(forward, backward)`` multipliers of a slab-computed kernel call's FLOPs (its halos' recompute)."""
         return 1.0, 1.0
 
-    def fused_slab_chains(self, calls, offloaded, slabs: dict) -> dict:
+    def fused_slab_chains(self, calls, offloaded, slabs: dict, short=frozenset()) -> dict:
         """Call index -> (index of the call whose input copy it recomputes its input from, index of the call in
-        between) for the slab calls whose input is recomputed instead of copied (none here)."""
+        between) for the slab calls whose input is recomputed instead of copied, and (source, None) for the
+        activations among ``short`` (True: all) whose backward reads their source's input copy instead of their
+        output's (short chains; none here)."""
         return {}
+
+    def short_chain_bytes(self, source_call, source_input_bytes: int, slab) -> int:
+        """Bytes a short chain's activation backward holds besides its slab backward: the source's outputs it
+        recomputes on the source's input windows (``slab``: the source's slab plan)."""
+        return 0
 
     def slab_sweeps(self, calls, offloaded, slabs: dict) -> list:
         """The runs of calls whose backward runs in passes over slab windows from the run's input (TensorFlow's

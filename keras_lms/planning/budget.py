@@ -15,12 +15,14 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
+from keras_lms.planning.chain_plan import note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions
 from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import (
     CallDecision,
     plan_entries,
     planned_prefetch,
+    planned_short_chains,
     planned_slab_bytes,
     planned_sweeps,
     tensor_bytes,
@@ -73,6 +75,12 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
                                lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
                                                           update_bytes, swept=swept))
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+            ahead = planned_prefetch(entries, config.prefetch)
+            plan_short_chains(calls, entries, facts, batch_size,
+                              lambda short: _plan_seconds(calls, entries, config, facts, batch_size,
+                                                          short_chains=short),
+                              lambda short: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                         update_bytes, prefetch=ahead, short_chains=short))
     note_swept_host_bytes(entries)
     return entries
 
@@ -116,7 +124,7 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
 
 
 def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None,
-                  recomputed=None) -> float:
+                  recomputed=None, short_chains=None) -> float:
     """The predicted step of the plan of ``entries`` on ``config.device_profile``, with the given offload
     decisions, prefetch depth or recomputed tensors in place of the plan's (the rest of the plan as it is; the
     time-side twin of ``_fits_budget``)."""
@@ -125,11 +133,12 @@ def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None
                              planned_prefetch(entries, config.prefetch) if prefetch is None else prefetch,
                              planned_slab_bytes(entries), config.lean_normalization,
                              recomputed_producers(entries) if recomputed is None else recomputed,
-                             planned_sweeps(entries)).step_seconds
+                             planned_sweeps(entries),
+                             planned_short_chains(entries) if short_chains is None else short_chains).step_seconds
 
 
 def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 prefetch=None, recomputed=None, swept=None, offloaded=None) -> bool:
+                 prefetch=None, recomputed=None, swept=None, offloaded=None, short_chains=None) -> bool:
     """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
     the given prefetch depth, recomputed tensors, sweeps (first call -> windows) or offload decisions in place of
     the plan's (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``,
@@ -140,8 +149,10 @@ def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: i
                       static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
                       slab_bytes=planned_slab_bytes(entries),
                       recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
-                      swept=planned_sweeps(entries) if swept is None else swept)
+                      swept=planned_sweeps(entries) if swept is None else swept,
+                      short_chains=planned_short_chains(entries) if short_chains is None else short_chains)
     return memory.budget_bytes <= config.device_budget
+
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
@@ -202,7 +213,7 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
     offloaded = [list(e.tensor_offloaded) for e in entries]
     slab_bytes = planned_slab_bytes(entries)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
-    chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
+    chains = facts.fused_slab_chains(calls, offloaded, slabs, planned_short_chains(entries)) if slabs else {}
     candidates = {s.producer: s for s in facts.recompute_sources(calls, offloaded, slabs, chains, batch_size).values()
                   if s.chosen}
     if not candidates:
@@ -263,12 +274,10 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
         if plan.moments and i not in fused_sources:  # say why its copy comes back twice
             entries[i].reason += " (its input windows come back twice: BatchNorm's two backward passes)"
     for v, (source, between) in chains.items():
-        entries[v].recompute_from = (source, between)
         if between is None:  # an activation whose output windows are recomputed from the source's input copy
-            names = (calls[source].unit.name, calls[v].unit.name)
-            entries[v].reason += f"; its output recomputed from {names[0]}'s host copy in its backward (fused chain)"
-            entries[source].reason += f"; its first backward pass is taken in {names[1]}'s backward (fused chain)"
+            note_short_chain(calls, entries, v, source)
             continue
+        entries[v].recompute_from = (source, between)
         # the input is recomputed from the source's host copy, not copied (BackendFacts.fused_slab_chains)
         entries[v].offloaded_bytes = entries[v].new_host_bytes = 0
         names = (calls[source].unit.name, calls[between].unit.name, calls[v].unit.name)

@@ -89,7 +89,7 @@ def tensor_sizes(calls, batch_size: int):
 def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, static_bytes: int = 0,
              arrival: int = SWAP_IN_ARRIVAL, unwrapped: bool = False, update_bytes: int = 0,
              lean_normalization: bool = True, slab_bytes: int = 0, recomputed=frozenset(),
-             swept=None) -> StepMemory:
+             swept=None, short_chains=frozenset()) -> StepMemory:
     """Device memory timeline for a plan; ``offloaded[i][j]`` says whether input j of call i goes to host.
 
     See the module docstring for what each call holds. ``facts`` is the back end's ``BackendFacts``
@@ -105,7 +105,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     backward ends), and its temporaries. Read in windows (TensorFlow's slabs), it lives like a slab window and
     is not charged separately. ``swept``: the level sweeps the plan runs, first call -> windows
     (``plan.planned_sweeps``; ``BackendFacts.slab_sweeps``): their calls hold in their backward what
-    ``BackendFacts.sweep_backward_bytes`` says, and nothing of the run is brought back whole.
+    ``BackendFacts.sweep_backward_bytes`` says, and nothing of the run is brought back whole. ``short_chains``:
+    the activations whose backward recomputes their output from their BatchNorm's input copy
+    (``plan.planned_short_chains``), holding ``BackendFacts.short_chain_bytes`` more.
     """
     n = len(calls)
     positions = 2 * n
@@ -116,8 +118,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     elided = facts.elided_concatenations(calls, slabs, batch_size)  # never built: its reader reads parts
     read_in_parts = {reader: concatenation for concatenation, reader in elided.items()}
     sources = {}
+    chains = facts.fused_slab_chains(calls, offloaded, slabs, short_chains) if slabs else {}
     if recomputed:
-        chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
         sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     held_in_sweeps, planned = {}, chosen_sweeps(facts, calls, offloaded, slabs, swept)
     timings = [facts.sweep_timing(calls, sweep, sizes_in) for sweep in planned]
@@ -220,6 +222,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             grads = facts.slab_backward_bytes(call, assembled, sizes_out[i], slabs[i])
         elif i in elided:
             grads = 0  # no gradient reaches a concatenation nobody reads
+        if i in chains and chains[i][1] is None:  # a short chain: its source's outputs recomputed on windows
+            source = chains[i][0]
+            grads += facts.short_chain_bytes(calls[source], sum(sizes_in[source]), slabs[source])
         hold(grads, backward, backward)
         hold(facts.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i)), i, i)
     for timing in timings:  # a sweep's first windows land early (prefetch) and are recomputed through the run

@@ -200,6 +200,13 @@ def planned_sweeps(entries) -> dict:
     return {e.sweep[0]: e.sweep_windows for e in entries if getattr(e, "sweep", None) and e.index == e.sweep[0]}
 
 
+def planned_short_chains(entries) -> frozenset:
+    """The activations whose backward recomputes their output from their BatchNorm's input copy and takes its
+    first pass there (short fused chains, ``PlanEntry.recompute_from == (BatchNorm, None)``)."""
+    return frozenset(e.index for e in entries
+                     if e.recompute_from is not None and e.recompute_from[1] is None)
+
+
 def chosen_sweeps(facts, calls, offloaded, slabs: dict, swept) -> list:
     """The back end's sweeps (``BackendFacts.slab_sweeps``) that ``swept`` (first call -> windows, as
     ``planned_sweeps`` gives it) runs, each with its planned windows."""

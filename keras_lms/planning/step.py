@@ -14,7 +14,7 @@ from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
-from keras_lms.planning.plan import planned_prefetch, planned_slab_bytes, planned_sweeps
+from keras_lms.planning.plan import planned_prefetch, planned_short_chains, planned_slab_bytes, planned_sweeps
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
@@ -71,7 +71,8 @@ class StepPlan:
                         update_bytes=self.update_bytes,
                         lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
                         recomputed=self.recomputed if offloaded is None else frozenset(),
-                        swept=self.swept if offloaded is None else None)
+                        swept=self.swept if offloaded is None else None,
+                        short_chains=self.short_chains if offloaded is None else frozenset())
 
     def offload_only(self) -> list:
         """The offload-only plan: every tensor the per-call rules (min_bytes, keep_last, include/exclude) allow
@@ -84,6 +85,11 @@ class StepPlan:
         return recomputed_producers(self.entries)
 
     @property
+    def short_chains(self) -> frozenset:
+        """The activations that take their BatchNorm's first pass on its input's windows (short fused chains)."""
+        return planned_short_chains(self.entries)
+
+    @property
     def swept(self) -> dict:
         """The level sweeps the plan runs, first call -> windows (TensorFlow: ``offload.tensorflow.sweeps``)."""
         return planned_sweeps(self.entries)
@@ -93,14 +99,14 @@ class StepPlan:
         ``traffic.link_traffic``."""
         if offloaded is None:
             return link_traffic(self.calls, self.offloaded, self.facts, self.batch_size, self.slab_bytes,
-                                self.recomputed, self.swept)
+                                self.recomputed, self.swept, self.short_chains)
         return link_traffic(self.calls, offloaded, self.facts, self.batch_size, self.slab_bytes)
 
     def recompute_candidates(self) -> frozenset:
         """The calls whose outputs the back end could recompute in windows with the plan's offload decisions
         (``BackendFacts.recompute_sources``): the planner chooses among them."""
         slabs = self.facts.slab_plans(self.calls, self.offloaded, self.batch_size, self.slab_bytes)
-        chains = self.facts.fused_slab_chains(self.calls, self.offloaded, slabs) if slabs else {}
+        chains = self.facts.fused_slab_chains(self.calls, self.offloaded, slabs, self.short_chains) if slabs else {}
         sources = self.facts.recompute_sources(self.calls, self.offloaded, slabs, chains, self.batch_size)
         return frozenset(s.producer for s in sources.values() if s.chosen)
 
@@ -114,8 +120,8 @@ class StepPlan:
             swept = self.swept if offloaded is None else {}
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
                                  profile, self.batch_size, self.prefetch if offloaded is None else self.config.prefetch,
-                                 self.slab_bytes,
-                                 self.config.lean_normalization, recomputed, swept)
+                                 self.slab_bytes, self.config.lean_normalization, recomputed, swept,
+                                 self.short_chains if offloaded is None else frozenset())
 
 
 def plan_step(backend, model, structure, config: LMSConfig, inputs, kwargs=None, batch_size: int = 1,

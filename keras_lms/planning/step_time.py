@@ -140,14 +140,14 @@ def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> floa
 
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
                       slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset(),
-                      swept=None) -> StepTime:
+                      swept=None, short_chains=frozenset()) -> StepTime:
     """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host; ``recomputed``:
     the calls whose outputs are recomputed instead of copied; ``swept``: the level sweeps it runs, first call ->
-    windows, ``plan.planned_sweeps``) on ``profile`` (a ``DeviceProfile``); with no input offloaded it is the
-    plain step. See the module docstring."""
+    windows, ``plan.planned_sweeps``; ``short_chains``: ``plan.planned_short_chains``) on ``profile`` (a
+    ``DeviceProfile``); with no input offloaded it is the plain step. See the module docstring."""
     n = len(calls)
     costs = [call_cost(call, batch_size, facts) for call in calls]
-    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept)
+    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept, short_chains)
 
     def window_recompute(flops_and_bytes, dtype):
         flops, nbytes = flops_and_bytes

@@ -87,16 +87,17 @@ class SlabTraffic:
 
 
 def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0,
-                 recomputed=frozenset(), swept=None) -> LinkTraffic:
+                 recomputed=frozenset(), swept=None, short_chains=frozenset()) -> LinkTraffic:
     """The host-link transfers of a plan (``offloaded[i][j]``: input j of call i goes to host); see the module
     docstring. ``facts`` is the back end's ``BackendFacts``; ``slab_bytes`` the plan's slab size; ``recomputed``
     the calls whose outputs are recomputed instead of copied (``planning.recompute``); ``swept`` the level sweeps
-    the plan runs, first call -> windows (``plan.planned_sweeps``; ``BackendFacts.slab_sweeps``)."""
+    the plan runs, first call -> windows (``plan.planned_sweeps``; ``BackendFacts.slab_sweeps``); ``short_chains``
+    the activations that take their BatchNorm's first pass (``plan.planned_short_chains``)."""
     n = len(calls)
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
     elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
-    chains = facts.fused_slab_chains(calls, offloaded, slabs) if slabs else {}
+    chains = facts.fused_slab_chains(calls, offloaded, slabs, short_chains) if slabs else {}
     sources = active_sources(facts.recompute_sources(calls, offloaded, slabs, chains, batch_size), recomputed)
     fused_sources = {source for source, _ in chains.values()}
     fused_between = {between for _, between in chains.values() if between is not None}

@@ -23,9 +23,11 @@ Its plan entry says ``recompute_from = (BatchNorm call, None)``. It is off by de
 saves another ~5% of the traffic (384^3 float32: 97 -> 92 GiB per step) but its backward holds the recomputed
 BatchNorm temporaries (float32, transposed by grappler's layout optimiser) while the skip's and the pooling's
 gradients are live, which is the step's peak: +0.48 GiB at 400^3 float32 and +0.97 GiB at 496^3 mixed_float16
-(simulated), pushing both largest cubes over 16 GiB. Turn it on where the budget has room.
+(simulated), pushing both largest cubes over 16 GiB. So it is off by default and chosen per chain by the
+budget planner where the budget has room for those temporaries and the step is shorter (``short`` below;
+``planning.chain_plan``; ``TensorFlowFacts.short_chain_bytes`` charges them).
 
-``ENABLED = False`` turns fusion off (for comparisons); planning reads both flags.
+``ENABLED = False`` turns fusion off (for comparisons); ``SHORT_CHAINS = True`` fuses every short chain.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ ENABLED = True
 SHORT_CHAINS = False
 
 
-def fused_chains(calls, offloaded, slabs: dict, facts) -> dict:
+def fused_chains(calls, offloaded, slabs: dict, facts, short=frozenset()) -> dict:
     """Convolution call index -> (BatchNorm call index, activation call index) of every chain fused (see the
-    module docstring), from the traced calls, the per-call offload decisions and the slab plans."""
+    module docstring), from the traced calls, the per-call offload decisions and the slab plans; and activation
+    call index -> (BatchNorm call index, None) for the short chains among ``short`` (activation indices, or
+    True for every one; every one with ``SHORT_CHAINS``)."""
     if not ENABLED or not slabs:
         return {}
     producers, consumers = call_graph(calls)
@@ -63,11 +67,13 @@ def fused_chains(calls, offloaded, slabs: dict, facts) -> dict:
                 and getattr(calls[b].unit, "activity_regularizer", None) is None):
             continue
         chains[v] = (b, r)
-    if not SHORT_CHAINS:
+    if not (SHORT_CHAINS or short):
         return chains
     between = {r for _, r in chains.values()}
     for r, plan in slabs.items():  # BatchNorm -> activation, the activation's output copied by its consumers
         act = calls[r]
+        if not (SHORT_CHAINS or short is True or r in short):
+            continue
         if (r in between or len(act.keys) != 1 or facts.output_gradient_activation(act.unit) is None
                 or getattr(act.unit, "trainable_variables", None)
                 or getattr(act.unit, "activity_regularizer", None) is not None):
