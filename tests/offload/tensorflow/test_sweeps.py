@@ -140,7 +140,9 @@ def test_a_budget_with_room_gets_windows_as_thick_as_the_slabs(passes):
     wrapped = keras_lms.wrap(model, device_budget=budget, **common)
     plan = wrapped.plan(batch_size=4)
     thick = {e.sweep: e.sweep_windows for e in plan if e.sweep}
-    assert thin == {run: 2 * windows for run, windows in thick.items()}, (thin, thick)
+    # (with the budget the planner may keep a level on the device, which is then not swept: the runs it does
+    # sweep are compared)
+    assert thick and all(thin[run] == 2 * windows for run, windows in thick.items()), (thin, thick)
     assert all(f"over {thick[plan[i].sweep]} slab windows" in plan[i].reason for run in thick for i in run)
     assert keras_lms.report(wrapped, batch_size=4).totals["budget_peak_bytes"] <= budget
     result = compare_step(model, wrapped, np.random.default_rng(3).random((4, 32, 32, 1)))
