@@ -15,7 +15,7 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
-from keras_lms.planning.chain_plan import note_short_chain, plan_short_chains
+from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions
 from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import (
@@ -154,7 +154,6 @@ def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: i
     return memory.budget_bytes <= config.device_budget
 
 
-
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
 MAX_PREFETCH = 8
 
@@ -272,7 +271,7 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
         if plan.moments and i not in fused_sources:  # say why its copy comes back twice
-            entries[i].reason += " (its input windows come back twice: BatchNorm's two backward passes)"
+            entries[i].reason += TWICE_NOTE
     for v, (source, between) in chains.items():
         if between is None:  # an activation whose output windows are recomputed from the source's input copy
             note_short_chain(calls, entries, v, source)

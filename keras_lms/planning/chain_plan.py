@@ -17,9 +17,12 @@ with the ones already taken.
 
 from __future__ import annotations
 
-from keras_lms.planning.keep_plan import MIN_GAIN
+from keras_lms.planning.keep_plan import best_first
 from keras_lms.planning.plan import planned_slab_bytes
 from keras_lms.planning.recompute import recomputed_producers
+
+# What a slab BatchNorm's reason says until a short chain takes its first pass (``budget._note_slabs``).
+TWICE_NOTE = " (its input windows come back twice: BatchNorm's two backward passes)"
 
 
 def plan_short_chains(calls, entries, facts, batch_size: int, step_seconds, fits) -> None:
@@ -46,24 +49,7 @@ def choose_short_chains(candidates, step_seconds, fits) -> frozenset:
     Returns:
         The chosen activations' call indices.
     """
-    best = step_seconds(frozenset())
-    min_gain = best * MIN_GAIN
-    singles = []
-    for r in sorted(candidates):
-        trial = frozenset({r})
-        if fits(trial):
-            seconds = step_seconds(trial)
-            if seconds < best - min_gain:
-                singles.append((seconds, r))
-    taken = frozenset()
-    for _, r in sorted(singles):
-        trial = taken | {r}
-        if not fits(trial):
-            continue
-        seconds = step_seconds(trial)
-        if seconds < best - min_gain:
-            taken, best = trial, seconds
-    return taken
+    return frozenset(best_first(sorted(candidates), step_seconds, fits))
 
 
 def note_short_chain(calls, entries, activation: int, source: int) -> None:
@@ -73,5 +59,4 @@ def note_short_chain(calls, entries, activation: int, source: int) -> None:
     names = (calls[source].unit.name, calls[activation].unit.name)
     entries[activation].reason += f"; its output recomputed from {names[0]}'s host copy in its backward (fused chain)"
     entries[source].reason += f"; its first backward pass is taken in {names[1]}'s backward (fused chain)"
-    entries[source].reason = entries[source].reason.replace(
-        " (its input windows come back twice: BatchNorm's two backward passes)", "")
+    entries[source].reason = entries[source].reason.replace(TWICE_NOTE, "")

@@ -48,26 +48,33 @@ def calls_to_keep(offloaded, step_seconds, fits, candidates=None) -> dict:
     Returns:
         ``{call index: seconds its keeping saved when it was taken}``, in the order they were taken.
     """
-    best = step_seconds(offloaded)
+    tried = [i for i, row in enumerate(offloaded) if any(row) and (candidates is None or i in candidates)]
+    return best_first(tried, lambda kept: step_seconds(kept_row(offloaded, kept)),
+                      lambda kept: fits(kept_row(offloaded, kept)))
+
+
+def best_first(candidates, step_seconds, fits) -> dict:
+    """The greedy search of the keep and short-chain plans: each candidate alone (``step_seconds`` and ``fits``
+    take a set of candidates, the rest of the plan as it is); those that fit and shorten the step by at least
+    ``MIN_GAIN`` taken best first, each re-checked with the ones already taken. ``{candidate: seconds its
+    taking saved}``, in the order they were taken."""
+    best = step_seconds(frozenset())
     min_gain = best * MIN_GAIN
     singles = []
-    for i, row in enumerate(offloaded):
-        if not any(row) or (candidates is not None and i not in candidates):
-            continue
-        trial = kept_row(offloaded, [i])
-        if not fits(trial):
-            continue
-        seconds = step_seconds(trial)
-        if seconds < best - min_gain:
-            singles.append((seconds, i))
+    for c in candidates:
+        trial = frozenset({c})
+        if fits(trial):
+            seconds = step_seconds(trial)
+            if seconds < best - min_gain:
+                singles.append((seconds, c))
     taken = {}
-    for _, i in sorted(singles):
-        trial = kept_row(offloaded, [*taken, i])
+    for _, c in sorted(singles):
+        trial = frozenset({*taken, c})
         if not fits(trial):
             continue
         seconds = step_seconds(trial)
         if seconds < best - min_gain:
-            taken[i] = best - seconds
+            taken[c] = best - seconds
             best = seconds
     return taken
 

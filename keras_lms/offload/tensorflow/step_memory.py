@@ -106,6 +106,13 @@ def _compute_ratio(dtype: str) -> float:
     return 2.0 if dtype in ("float16", "bfloat16") else 1.0
 
 
+def _channels_first_convolution(call) -> bool:
+    """A float32 5-D convolution, which grappler's layout optimiser runs channels-first on a GPU."""
+    five_d = call.shapes and len(call.shapes[0]) == 5
+    return bool(five_d and layer_facts.is_keras_class(call.unit, layer_facts.CONV_LAYERS)
+                and call.dtypes[0] == "float32")
+
+
 def backward_layout_bytes(call, sizes_in, sizes_out) -> int:
     """A whole float32 5-D transposed convolution's backward holds channels-first copies of its output gradient
     and of its input for the kernels (grappler's layout optimiser, as in the forward: ``forward_temporaries``).
@@ -113,10 +120,7 @@ def backward_layout_bytes(call, sizes_in, sizes_out) -> int:
     ``Conv3DBackpropFilterV2-0-TransposeNDHWCToNCDHW``, 3.38 GiB (its output gradient, 4x its input in a U-Net)
     beside ``-2-`` (its input), at the step's peak. Not charged to other convolutions: the small 3D U-Nets the
     report is checked on (``tests/offload/tensorflow/test_link_traffic.py``) peak 23% below such a charge."""
-    five_d = call.shapes and len(call.shapes[0]) == 5
-    transposed = "Transpose" in type(call.unit).__name__
-    if five_d and transposed and layer_facts.is_keras_class(call.unit, layer_facts.CONV_LAYERS) \
-            and call.dtypes[0] == "float32":
+    if _channels_first_convolution(call) and "Transpose" in type(call.unit).__name__:
         return sum(sizes_in) + sum(sizes_out)
     return 0
 
@@ -132,8 +136,7 @@ def forward_temporaries(call, sizes_in, sizes_out, plan) -> int:
     if layer_facts.is_keras_class(unit, {"BatchNormalization"}):
         ratio = _compute_ratio(call.dtypes[0])
         return int(sum(sizes_in) * ratio * (3 if ratio > 1 else 1))
-    five_d = call.shapes and len(call.shapes[0]) == 5
-    if five_d and layer_facts.is_keras_class(unit, layer_facts.CONV_LAYERS) and call.dtypes[0] == "float32":
+    if _channels_first_convolution(call):
         bias = 1 if getattr(unit, "use_bias", False) and "Transpose" in type(unit).__name__ else 0
         return sum(sizes_in) + sum(sizes_out) * (1 + bias)
     return 0
