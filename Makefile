@@ -38,7 +38,7 @@ horovod: $(HVD_STAMP)
 # suite's wall time"): TensorFlow alone 1763 s and JAX alone 1072 s; side by side both were done in 2018 s; three
 # runs at once were slower than one after the other (every run's thread pools fight for the same two cores).
 TF_SECOND_LANE := tests/offload/tensorflow/test_zoo_slabs.py tests/offload/tensorflow/test_sweeps.py
-PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
+PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider --durations=40 --durations-min=5
 TF_RUN := KERAS_BACKEND=tensorflow $(PYTEST)
 
 test: install
