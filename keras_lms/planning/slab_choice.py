@@ -1,0 +1,85 @@
+"""The slab size of a budget plan: among the sizes that fit ``device_budget``, the one whose step is fastest.
+
+Why a choice: larger slabs recompute fewer halos and bring fewer window rows back; smaller ones hold less and let
+more of the plan recompute in windows instead of copying. Why not the plain offload plan's step time: the plan
+that runs is finished later (level sweeps, tensors recomputed in windows instead of copied), and its time
+depends on the slab size differently. Timed without them, a 384^3 float32 3D U-Net at 28 GiB chose 4 GiB slabs
+(nothing left to recompute in windows) and ran 6.0x the plain step on H100-PCIe5, where 512 MiB slabs give
+2.1x. So each size is timed at the faster of the plan's two corners: every offloaded tensor copied, or its
+level sweeps chosen and every tensor the back end can recompute in windows recomputed (the report's
+"recompute-all"). The finished plans of the 3D U-Net's budgets are within a few % of the faster corner.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from keras_lms.config import format_bytes
+from keras_lms.planning.memory_model import simulate
+from keras_lms.planning.plan import CallDecision, plan_entries, planned_sweeps
+from keras_lms.planning.step_time import predict_step_time
+from keras_lms.planning.sweep_plan import plan_sweeps
+
+log = logging.getLogger(__name__)
+
+# The smallest slab the budget planner tries when the configured slab size does not fit device_budget.
+MIN_SLAB_BYTES = 16 << 20
+# With a device profile, the planner also tries slabs up to this many doublings above the configured size.
+SLAB_DOUBLINGS = 4
+
+
+def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                         slab_bytes: int, memory):
+    """(slab size, StepMemory) with the shortest corner step (``slab_seconds``) on
+    ``config.device_profile`` among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
+    SLAB_DOUBLINGS times) whose prediction fits ``config.device_budget`` with the offload decisions ``chosen``.
+    ``slab_bytes`` (with ``memory``) fits."""
+    if not slab_bytes:
+        return slab_bytes, memory
+    sizes = {slab_bytes << k for k in range(1, SLAB_DOUBLINGS + 1)}
+    size = slab_bytes // 2
+    while size >= MIN_SLAB_BYTES:
+        sizes.add(size)
+        size //= 2
+
+    best, best_memory = slab_bytes, memory
+    best_seconds = slab_seconds(calls, chosen, config, facts, batch_size, slab_bytes)
+    for size in sorted(sizes):
+        candidate = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes,
+                             update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                             slab_bytes=size)
+        if candidate.budget_bytes > config.device_budget:
+            continue
+        t = slab_seconds(calls, chosen, config, facts, batch_size, size)
+        if t < best_seconds:
+            best, best_memory, best_seconds = size, candidate, t
+    if best != slab_bytes:
+        log.info("keras-lms: slabs of %s (predicted step %.3f s on %s, at the faster corner) instead of %s.",
+                 format_bytes(best), best_seconds, config.device_profile.name, format_bytes(slab_bytes))
+    return best, best_memory
+
+
+def windowed_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:
+    """The predicted step of the offload decisions ``offloaded`` computed in slabs of ``slab_bytes``, with the
+    level sweeps ``sweep_plan.plan_sweeps`` chooses and every tensor the back end can recompute in windows
+    recomputed instead of copied (``BackendFacts.recompute_sources``)."""
+    decisions = [CallDecision(list(row), "", slab_bytes) for row in offloaded]
+    entries = plan_entries(calls, decisions, facts, batch_size, slab_bytes)
+    plan_sweeps(calls, entries, config, facts, batch_size)
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
+    recomputed = frozenset()
+    if slabs:
+        chains = facts.fused_slab_chains(calls, offloaded, slabs, frozenset())
+        sources = facts.recompute_sources(calls, offloaded, slabs, chains, batch_size)
+        recomputed = frozenset(s.producer for s in sources.values() if s.chosen)
+    return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                             slab_bytes, config.lean_normalization, recomputed,
+                             planned_sweeps(entries)).step_seconds
+
+
+def slab_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:
+    """How fast slabs of ``slab_bytes`` can make the plan of ``offloaded``: the faster of its two corners, every
+    offloaded tensor copied (where the link is fast, GH200, the plan copies) and ``windowed_seconds``."""
+    copied = predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
+                               slab_bytes, config.lean_normalization).step_seconds
+    return min(copied, windowed_seconds(calls, offloaded, config, facts, batch_size, slab_bytes))
