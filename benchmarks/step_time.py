@@ -5,6 +5,8 @@
     python benchmarks/step_time.py --smoke                          # a small cube (CI, seconds)
     python benchmarks/step_time.py --slab-choice                    # wrap(device_profile=) vs none, 288^3 and
                                                                     # 320^3 float32, with simulated peaks (~5 min)
+    python benchmarks/step_time.py --budget-curve --edges 384 --dtype-policy float32   # the plan at budgets of
+                                                                    # 16-64 GiB: a larger one is never slower
 
 The model is the max-cube benchmark's 3D U-Net (``benchmarks/simulated_gpu_peak.py``: 4 levels, 16 filters,
 batch 1), planned for ``device_budget="16GiB"`` as ``wrap`` plans it, on the TensorFlow back end's memory facts.
@@ -102,6 +104,47 @@ def slab_choice_table(rows, budget: str, profile: str = "h100-pcie5") -> Table:
     return t
 
 
+CURVE_BUDGETS = ("16GiB", "20GiB", "24GiB", "28GiB", "32GiB", "40GiB", "48GiB", "64GiB")
+
+
+def budget_curve(edge: int, budgets, profiles) -> list:
+    """The budget planner's plan of the ``edge``^3 U-Net at each budget and profile: its predicted step against
+    the plain step's, its bytes back and its planning time (a plan that fits a budget fits every larger one, so
+    the step should never grow with the budget)."""
+    model = unet((edge, edge, edge, 1), 16)
+    rows = []
+    for profile in profiles:
+        for budget in budgets:
+            started = time.perf_counter()
+            try:
+                rep = keras_lms.report(model, batch_size=1, device_budget=budget, device_profile=profile)
+            except keras_lms.BudgetError:
+                rows.append(dict(edge=edge, profile=profile, budget=budget, ratio=None))
+                continue
+            t = rep.times["as planned"]
+            rows.append(dict(edge=edge, profile=profile, budget=budget,
+                             ratio=t.step_seconds / rep.times["plain"].step_seconds, step_seconds=t.step_seconds,
+                             host_to_device_bytes=t.host_to_device_bytes, recompute_flops=t.recompute_flops,
+                             peak_bytes=rep.totals["predicted_peak_bytes_wrapped"],
+                             planning_seconds=time.perf_counter() - started))
+    return rows
+
+
+def budget_curve_table(rows, policy: str) -> Table:
+    t = Table(title=f"3D U-Net (16 filters, batch 1), {policy}: the budget plan at each device_budget")
+    for column in ("edge", "profile", "budget", "x plain compute", "step s", "back GiB", "extra conv TFLOP",
+                   "peak GiB", "planning s"):
+        t.add_column(column, justify="left" if column == "profile" else "right")
+    for r in rows:
+        if r["ratio"] is None:
+            t.add_row(f"{r['edge']}^3", r["profile"], r["budget"], "does not fit", *["-"] * 5)
+            continue
+        t.add_row(f"{r['edge']}^3", r["profile"], r["budget"], f"{r['ratio']:.2f}", f"{r['step_seconds']:.3f}",
+                  f"{r['host_to_device_bytes'] / GIB:.1f}", f"{r['recompute_flops'] / 1e12:.2f}",
+                  f"{r['peak_bytes'] / GIB:.1f}", f"{r['planning_seconds']:.1f}")
+    return t
+
+
 def table(rows, policy: str, budget: str) -> Table:
     t = Table(title=f"3D U-Net (16 filters, batch 1), device_budget={budget}, {policy}: predicted per step")
     for column in ("edge", "profile", "plan", "peak GiB", "to host GiB", "back GiB", "extra conv TFLOP",
@@ -124,9 +167,22 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one small cube with a small budget (CI)")
     parser.add_argument("--slab-choice", action="store_true",
                         help="the planner's slab size with and without device_profile, with simulated peaks")
+    parser.add_argument("--budget-curve", action="store_true",
+                        help=f"the plan at each budget of {', '.join(CURVE_BUDGETS)} (one edge, one dtype policy)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.budget_curve:
+        policy = args.dtype_policy or "float32"
+        keras.mixed_precision.set_global_policy(policy)
+        edge = int(args.edges.split(",")[0]) if args.edges else DEFAULT_EDGES[policy][0]
+        with simulated_host_ram():
+            rows = budget_curve(edge, CURVE_BUDGETS, PROFILES)
+        keras.mixed_precision.set_global_policy("float32")
+        console.print(budget_curve_table(rows, policy))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     if args.slab_choice:
         keras.mixed_precision.set_global_policy("float32")
         edges = [int(e) for e in args.edges.split(",")] if args.edges else [288, 320]

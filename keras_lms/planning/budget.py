@@ -57,11 +57,10 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
         return _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     fewest = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     plan = _finish_plan(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
-    if config.device_profile is None:
-        return plan
+    if config.device_profile is None or all(list(f.offload_tensor) == list(d.offload_tensor)
+                                            for f, d in zip(fewest, decisions) if d.offloaded):
+        return plan  # (every eligible tensor is offloaded already: the same start)
     every = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
-    if [(d.offload_tensor, d.slab_bytes) for d in every] == [(d.offload_tensor, d.slab_bytes) for d in fewest]:
-        return plan
     other = _finish_plan(calls, every, config, facts, batch_size, static_bytes, update_bytes)
     seconds = [_plan_seconds(calls, p, config, facts, batch_size) for p in (plan, other)]
     if seconds[1] >= seconds[0]:

@@ -5,9 +5,9 @@ more of the plan recompute in windows instead of copying. Why not the plain offl
 that runs is finished later (level sweeps, tensors recomputed in windows instead of copied), and its time
 depends on the slab size differently. Timed without them, a 384^3 float32 3D U-Net at 28 GiB chose 4 GiB slabs
 (nothing left to recompute in windows) and ran 6.0x the plain step on H100-PCIe5, where 512 MiB slabs give
-2.1x. So each size is timed at the faster of the plan's two corners: every offloaded tensor copied, or its
-level sweeps chosen and every tensor the back end can recompute in windows recomputed (the report's
-"recompute-all"). The finished plans of the 3D U-Net's budgets are within a few % of the faster corner.
+2.1x. So each size is timed at the faster of the plan's two corners: every offloaded tensor copied, or every
+level sweep run and every tensor the back end can recompute in windows recomputed (one timeline per size). The
+finished plans of the 3D U-Net's budgets are within a few % of their faster corner.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning.memory_model import simulate
-from keras_lms.planning.plan import CallDecision, plan_entries, planned_sweeps
 from keras_lms.planning.step_time import predict_step_time
-from keras_lms.planning.sweep_plan import plan_sweeps
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +58,19 @@ def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_b
 
 
 def windowed_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:
-    """The predicted step of the offload decisions ``offloaded`` computed in slabs of ``slab_bytes``, with the
-    level sweeps ``sweep_plan.plan_sweeps`` chooses and every tensor the back end can recompute in windows
-    recomputed instead of copied (``BackendFacts.recompute_sources``)."""
-    decisions = [CallDecision(list(row), "", slab_bytes) for row in offloaded]
-    entries = plan_entries(calls, decisions, facts, batch_size, slab_bytes)
-    plan_sweeps(calls, entries, config, facts, batch_size)
+    """The predicted step of the offload decisions ``offloaded`` computed in slabs of ``slab_bytes``, with every
+    level sweep the back end offers (``BackendFacts.slab_sweeps``) and every tensor it can recompute in windows
+    recomputed instead of copied (``BackendFacts.recompute_sources``): one timeline per size (the planner's
+    own sweep search times each sweep on and off)."""
     slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes)
-    recomputed = frozenset()
+    recomputed, swept = frozenset(), {}
     if slabs:
         chains = facts.fused_slab_chains(calls, offloaded, slabs, frozenset())
         sources = facts.recompute_sources(calls, offloaded, slabs, chains, batch_size)
         recomputed = frozenset(s.producer for s in sources.values() if s.chosen)
+        swept = {sweep.first: sweep.windows for sweep in facts.slab_sweeps(calls, offloaded, slabs)}
     return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
-                             slab_bytes, config.lean_normalization, recomputed,
-                             planned_sweeps(entries)).step_seconds
+                             slab_bytes, config.lean_normalization, recomputed, swept).step_seconds
 
 
 def slab_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:
