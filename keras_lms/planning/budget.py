@@ -57,8 +57,8 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
         return _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     fewest = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     plan = _finish_plan(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
-    if config.device_profile is None or all(list(f.offload_tensor) == list(d.offload_tensor)
-                                            for f, d in zip(fewest, decisions) if d.offloaded):
+    if (config.device_profile is None or not any(f.offloaded for f in fewest)  # (the step fits as it is)
+            or all(list(f.offload_tensor) == list(d.offload_tensor) for f, d in zip(fewest, decisions) if d.offloaded)):
         return plan  # (every eligible tensor is offloaded already: the same start)
     every = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
     other = _finish_plan(calls, every, config, facts, batch_size, static_bytes, update_bytes)
