@@ -92,7 +92,7 @@ def _step_ratio(model, budget: str) -> float:
 
 def test_a_larger_budget_never_plans_a_much_slower_step(monkeypatch):
     """More device memory must not make the plan slower: a plan that fits a budget fits every larger one. The 3D
-    U-Net at 192^3 on h100-pcie5 (measured: 3.5 GiB 2.03x the plain step, 4 GiB 1.85x, 6 GiB 1.82x). Before,
+    U-Net at 192^3 on h100-pcie5 (measured: 3.5 GiB 1.96x the plain step, 4 GiB 1.91x, 6 GiB 1.82x). Before,
     4 GiB planned 5.5x: the slab size was chosen by the step with every offloaded tensor copied (1 GiB slabs,
     nothing left to recompute in windows), and the fewest offloads that fit were copied. The control puts both
     back and shows the test can fail."""
