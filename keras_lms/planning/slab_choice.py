@@ -36,9 +36,11 @@ WIDE_MARGIN = 1.5
 
 def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
                          slab_bytes: int, memory):
-    """(slab size, StepMemory) with the shortest corner step (``slab_seconds``) on
-    ``config.device_profile`` among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
-    SLAB_DOUBLINGS times) whose prediction fits ``config.device_budget`` with the offload decisions ``chosen``.
+    """(slab size, StepMemory) among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
+    SLAB_DOUBLINGS times) whose prediction fits ``config.device_budget`` with the offload decisions ``chosen``:
+    the one with the shortest step timed with every offloaded tensor copied, unless the one with the shortest
+    corner step on ``config.device_profile`` (the faster of ``copied_seconds``, which a fast link like GH200's
+    favours, and ``windowed_seconds``) is faster by more than WIDE_MARGIN.
     ``slab_bytes`` (with ``memory``) fits."""
     if not slab_bytes:
         return slab_bytes, memory
@@ -55,8 +57,9 @@ def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_b
                              slab_bytes=size)
         if candidate.budget_bytes <= config.device_budget:
             fitting[size] = candidate
-    corner = {size: slab_seconds(calls, chosen, config, facts, batch_size, size) for size in fitting}
     copied = {size: copied_seconds(calls, chosen, config, facts, batch_size, size) for size in fitting}
+    corner = {size: min(copied[size], windowed_seconds(calls, chosen, config, facts, batch_size, size))
+              for size in fitting}
     best = min(sorted(fitting), key=corner.__getitem__)
     usual = min(sorted(fitting), key=copied.__getitem__)  # the size timed with every offloaded tensor copied
     if corner[usual] <= WIDE_MARGIN * corner[best]:
@@ -87,10 +90,3 @@ def copied_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes:
     """The predicted step of ``offloaded`` in slabs of ``slab_bytes`` with every offloaded tensor copied."""
     return predict_step_time(calls, offloaded, facts, config.device_profile, batch_size, config.prefetch,
                              slab_bytes, config.lean_normalization).step_seconds
-
-
-def slab_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:
-    """How fast slabs of ``slab_bytes`` can make the plan of ``offloaded``: the faster of its two corners, every
-    offloaded tensor copied (where the link is fast, GH200, the plan copies) and ``windowed_seconds``."""
-    return min(copied_seconds(calls, offloaded, config, facts, batch_size, slab_bytes),
-               windowed_seconds(calls, offloaded, config, facts, batch_size, slab_bytes))
