@@ -28,7 +28,7 @@ from keras_lms.planning.plan import (
     tensor_bytes,
 )
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
-from keras_lms.planning.slab_choice import MIN_SLAB_BYTES, WIDE_MARGIN, fastest_fitting_slab
+from keras_lms.planning.slab_choice import MIN_SLAB_BYTES, fastest_fitting_slab
 from keras_lms.planning.step_time import predict_step_time
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
 
@@ -50,7 +50,7 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     offloads, while one that offloads everything computes in windows and recomputes cheaply what the other
     copies; which is faster depends on the room and the link (on H100-PCIe5 the 384^3 float32 3D U-Net at
     40 GiB: 4.1x the plain step from the fewest offloads, 1.7x from all), and choosing one alone made a larger
-    budget give a much slower plan. The second is kept only where it is faster by ``slab_choice.WIDE_MARGIN``.
+    budget give a much slower plan (the first is kept where they tie).
     """
     decisions = rules.decide_all(calls, config, batch_size)
     if config.device_budget is None:
@@ -63,8 +63,8 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     every = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
     other = _finish_plan(calls, every, config, facts, batch_size, static_bytes, update_bytes)
     seconds = [_plan_seconds(calls, p, config, facts, batch_size) for p in (plan, other)]
-    if seconds[1] * WIDE_MARGIN >= seconds[0]:
-        return plan  # (only where the fewest offloads lose widely: slab_choice.WIDE_MARGIN says why)
+    if seconds[1] >= seconds[0]:
+        return plan
     log.info("keras-lms: planned from every eligible tensor offloaded (predicted step %.3f s instead of %.3f s "
              "from the fewest offloads that fit, on %s).", seconds[1], seconds[0], config.device_profile.name)
     return other

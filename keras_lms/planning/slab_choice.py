@@ -24,24 +24,15 @@ log = logging.getLogger(__name__)
 MIN_SLAB_BYTES = 16 << 20
 # With a device profile, the planner also tries slabs up to this many doublings above the configured size.
 SLAB_DOUBLINGS = 4
-# The size timed with everything copied (the choice before session 15) is kept unless the faster corner's choice
-# is faster by more than this factor. Why not always the faster: the memory model under-predicts a level sweep
-# whose run reads a concatenation (the executed graph holds both assembled parts and one part's window pieces
-# while the up-sampler's backward runs), and the plans the corner timing chose at 20 and 24 GiB for the 384^3
-# float32 3D U-Net peaked at 21.3 and 24.2 GiB in the executed graph (reports -20% / -15%), where the old
-# choices peak within their budgets (19.3 / 22.4 GiB). Where the old choice is grossly slow (28 GiB: 6.0x the
-# plain step against 2.0x) the faster corner wins and its plans fit with room (22.7 GiB at 28).
-WIDE_MARGIN = 1.5
 
 
 def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
                          slab_bytes: int, memory):
     """(slab size, StepMemory) among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
     SLAB_DOUBLINGS times) whose prediction fits ``config.device_budget`` with the offload decisions ``chosen``:
-    the one with the shortest step timed with every offloaded tensor copied, unless the one with the shortest
-    corner step on ``config.device_profile`` (the faster of ``copied_seconds``, which a fast link like GH200's
-    favours, and ``windowed_seconds``) is faster by more than WIDE_MARGIN.
-    ``slab_bytes`` (with ``memory``) fits."""
+    the one with the shortest corner step on ``config.device_profile`` (the faster of ``copied_seconds``, which a
+    fast link like GH200's favours, and ``windowed_seconds``); between equal steps, the one timed fastest with
+    every offloaded tensor copied. ``slab_bytes`` (with ``memory``) fits."""
     if not slab_bytes:
         return slab_bytes, memory
     sizes = {slab_bytes << k for k in range(1, SLAB_DOUBLINGS + 1)}
@@ -60,10 +51,7 @@ def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_b
     copied = {size: copied_seconds(calls, chosen, config, facts, batch_size, size) for size in fitting}
     corner = {size: min(copied[size], windowed_seconds(calls, chosen, config, facts, batch_size, size))
               for size in fitting}
-    best = min(sorted(fitting), key=corner.__getitem__)
-    usual = min(sorted(fitting), key=copied.__getitem__)  # the size timed with every offloaded tensor copied
-    if corner[usual] <= WIDE_MARGIN * corner[best]:
-        best = usual  # (the memory model under-predicts thick level sweeps: see WIDE_MARGIN)
+    best = min(sorted(fitting), key=lambda size: (corner[size], copied[size]))
     if best != slab_bytes:
         log.info("keras-lms: slabs of %s (predicted step %.3f s on %s, at the faster corner) instead of %s.",
                  format_bytes(best), corner[best], config.device_profile.name, format_bytes(slab_bytes))

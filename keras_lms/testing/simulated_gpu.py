@@ -75,6 +75,7 @@ class Simulation:
     grappler_estimate_bytes: int = -1  # grappler's estimate when its memory pass decides (-1: not asked)
     before_memory_pass: object = None  # the GraphDef that estimate is of (grappler_estimate=True only)
     fetch: list = dataclasses.field(default_factory=list)  # the step's fetch nodes (for grappler_item)
+    optimized: object = None  # the GraphDef grappler optimised for the virtual GPU (what the timeline ran)
 
 
 def count_named(graph_def, markers=SWAP_MARKERS) -> dict:
@@ -122,4 +123,4 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
                       len(optimized.node), time.perf_counter() - start, *conv,
                       gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps,
                       grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate,
-                      before_memory_pass=before_memory_pass, fetch=traced.fetch)
+                      before_memory_pass=before_memory_pass, fetch=traced.fetch, optimized=optimized)

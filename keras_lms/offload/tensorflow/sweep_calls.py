@@ -159,7 +159,7 @@ class SweepCalls:
             self._hand_first_pass(run, j - 1, first_parts)
             run.convolution[j] = ([run.gradients[j - 1]], summed)  # the input's entry is unread (see above)
         else:
-            run.convolution[j] = ([tf.concat(p, slabs.AXIS) for p in input_pieces], summed)
+            run.convolution[j] = (slabs.assembled_in_turn(input_pieces), summed)
 
     # ------------------------------------------------------------------ windows
     def _sweep_input_windows(self, run, a, b, gate, trigger, reader):
