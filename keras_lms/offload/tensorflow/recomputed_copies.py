@@ -51,6 +51,20 @@ def usable_producer(record) -> bool:
         record.chain is not None)
 
 
+def when_reader_runs(windows, reader):
+    """``windows`` gated on ``reader``'s gradient arrival (``CallRecord.marker``), so what is recomputed from
+    them is recomputed in the reader's backward: their copies back still land early (prefetch), but the
+    recompute no longer runs as soon as they land (also a fused chain's BatchNorm and activation,
+    ``SlabCalls._chain_input_window``). Seen in the executed graph of the 384^3 float32 3D U-Net planned for
+    20 GiB: a level-1 convolution's first chain windows (BatchNorm and ReLU recomputed on them, 2.1 GiB with
+    their cropped pieces) were computed while the level above's sweep ran, and held through it."""
+    gate = getattr(reader, "marker", None)
+    if gate is None or tf.executing_eagerly():
+        return windows
+    with on_device(reader.compute_device), slabs.gated([gate]):
+        return [tf.identity(w) for w in windows]
+
+
 class RecomputedWindows:
     """The windows of a ``RecomputedCopy`` (a mixin of ``StepContext``, next to ``SlabCalls``)."""
 
@@ -71,6 +85,7 @@ class RecomputedWindows:
                 else:
                     with on_device(reader.compute_device), slabs.gated(gates):
                         windows.append(slabs.rows(kept, lo, hi))
+        windows = when_reader_runs(windows, reader)
         moments = None
         if plan.moments:
             mean, variance, _ = producer.moments[0]
@@ -91,6 +106,7 @@ class RecomputedWindows:
         else:  # kept on the device by the plan: sliced there
             with on_device(reader.compute_device), slabs.gated(gates):
                 window = slabs.rows(producer.kept[0], lo, hi)
+        window = when_reader_runs([window], reader)[0]
         with on_device(reader.compute_device):
             call_args, call_kwargs = common.rebuild(producer.template, producer.positions, [window])
             outputs, _, _ = adapter.run_stateless(producer.unit, producer.original, producer.trainable,

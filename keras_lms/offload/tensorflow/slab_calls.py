@@ -14,7 +14,7 @@ from keras_lms.offload import common
 from keras_lms.offload.tensorflow import output_gradients, slab_rows, slabs
 from keras_lms.offload.tensorflow.devices import on_device as _on_device
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments, given_moments
-from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, RecomputedWindows
+from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, RecomputedWindows, when_reader_runs
 from keras_lms.offload.tensorflow.record import HOST_STAGE_SUFFIX, SWAP_IN_NAME, host_op
 
 
@@ -95,7 +95,7 @@ class SlabCalls(RecomputedWindows):
         the forward's batch statistics and activated on ``reader``'s device, by the layers' own calls."""
         source, between = record.chain
         between = between or record  # BatchNorm -> activation: this call's own output
-        c = self._host_window(source.hosts[0], a, b, gates, reader, kind)
+        c = when_reader_runs([self._host_window(source.hosts[0], a, b, gates, reader, kind)], reader)[0]
         mean, variance, _ = source.moments[0]
         with _on_device(reader.compute_device):
             outputs, _, _ = self._slab_call(source, [c], source.trainable, lambda x: (mean, variance))

@@ -27,7 +27,7 @@ def _max_relative(a, b) -> float:
 
 def test_wrapped_model_under_data_parallel_matches_one_device_at_the_doubled_batch():
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip(),
                PYTHONPATH=os.pathsep.join([str(WORKER.parents[3]), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
