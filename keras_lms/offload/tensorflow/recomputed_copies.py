@@ -51,18 +51,24 @@ def usable_producer(record) -> bool:
         record.chain is not None)
 
 
+READER_GATE = "lms_reader_gate"  # the executed-graph test finds the gates by this name
+GATED_ON_READER = True  # off: the gates are made without their control input (the control of that test)
+
+
 def when_reader_runs(windows, reader):
     """``windows`` gated on ``reader``'s gradient arrival (``CallRecord.marker``), so what is recomputed from
     them is recomputed in the reader's backward: their copies back still land early (prefetch), but the
     recompute no longer runs as soon as they land (also a fused chain's BatchNorm and activation,
     ``SlabCalls._chain_input_window``). Seen in the executed graph of the 384^3 float32 3D U-Net planned for
     20 GiB: a level-1 convolution's first chain windows (BatchNorm and ReLU recomputed on them, 2.1 GiB with
-    their cropped pieces) were computed while the level above's sweep ran, and held through it."""
+    their cropped pieces) were computed while the level above's sweep ran, and held through it. The gate is an
+    ``EnsureShape`` (no copy), which grappler keeps with its control input: an ``Identity`` it would remove and
+    move the control input onto the readers, and the marker itself it removes too."""
     gate = getattr(reader, "marker", None)
     if gate is None or tf.executing_eagerly():
         return windows
-    with on_device(reader.compute_device), slabs.gated([gate]):
-        return [tf.identity(w) for w in windows]
+    with on_device(reader.compute_device), slabs.gated([gate] if GATED_ON_READER else []):
+        return [tf.ensure_shape(w, w.shape, name=READER_GATE) for w in windows]
 
 
 class RecomputedWindows:

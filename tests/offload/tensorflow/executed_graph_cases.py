@@ -31,6 +31,7 @@ import tensorflow as tf
 import keras_lms
 from benchmarks.models import build_unet
 from keras_lms.offload.tensorflow import devices as tf_devices
+from keras_lms.offload.tensorflow import recomputed_copies
 from keras_lms.offload.tensorflow import record as tf_record
 from keras_lms.offload.tensorflow import slabs as tf_slabs
 from keras_lms.offload.tensorflow import step as tf_step
@@ -111,6 +112,16 @@ def slices_gated_through_constants():
 
 
 @contextlib.contextmanager
+def recompute_not_waiting_for_its_reader():
+    """Negative control for ``recomputed_copies.when_reader_runs``: its gates made without their control input."""
+    recomputed_copies.GATED_ON_READER = False
+    try:
+        yield
+    finally:
+        recomputed_copies.GATED_ON_READER = True
+
+
+@contextlib.contextmanager
 def dependency_optimizer_off():
     tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
     try:
@@ -154,6 +165,7 @@ def counts(model, x, wrapped=None):
         # slices of an upstream gradient in the backward on the compute device, and those that wait on a control
         # input of their own (the slab before: slabs.backward's gate), as grappler left them
         **dict(zip(("backward_gradient_slices", "backward_gradient_slices_gated"), _gradient_slices(step))),
+        **dict(zip(("reader_gates", "reader_gates_waiting"), _reader_gates(step))),
     }
 
 
@@ -174,6 +186,17 @@ def _gradient_slices(step) -> tuple:
         return not window_crop and any(tensor is None for tensor, _ in parents)
 
     return len(sliced), sum(map(slab_gated, sliced))
+
+
+def _reader_gates(step) -> tuple:
+    """(reader gates, those that wait for a gradient): the ``EnsureShape`` nodes that
+    ``recomputed_copies.when_reader_runs`` puts between a reader's prefetched windows and what is recomputed from
+    them, as grappler left them, and how many have a control input from a node of the backward (the reader's
+    gradient: grappler removes the arrival marker and moves the edge to the op that made the gradient)."""
+    gates = [name for name in step.nodes if recomputed_copies.READER_GATE in name.rsplit("/", 1)[-1]]
+    waiting = [name for name in gates
+               if any(tensor is None and parent in step.backward for tensor, parent in step.parents.get(name, []))]
+    return len(gates), len(waiting)
 
 
 def run_cases():
@@ -201,6 +224,11 @@ def run_cases():
                 with tf.device(eg.COMPUTE):
                     wrapped = keras_lms.wrap(model, **SLAB_CONFIGS["slabs"])
                 results[f"{name}/slabs_slices_gated_through_constants"] = counts(model, x, wrapped)
+        if name == "unet3d":  # (the 2D U-Net's slab plan recomputes nothing from prefetched windows)
+            with recompute_not_waiting_for_its_reader():
+                with tf.device(eg.COMPUTE):
+                    wrapped = keras_lms.wrap(model, **SLAB_CONFIGS["slabs"])
+                results[f"{name}/slabs_recompute_not_waiting"] = counts(model, x, wrapped)
         with old_mechanism():
             with tf.device(eg.COMPUTE):
                 wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
