@@ -38,10 +38,10 @@ horovod: $(HVD_STAMP)
 # suite's wall time"): TensorFlow alone 1763 s and JAX alone 1072 s; side by side both were done in 2018 s; three
 # runs at once were slower than one after the other (every run's thread pools fight for the same two cores).
 # (session 15: the slab-choice and keep modules, ~65 s, moved here as the JAX oracle stopped running eager forwards;
-# session 16: the link-traffic module, ~350 s in CI, as the JAX run compiles at LLVM level 0, 1810 -> ~1150 s)
+# session 16: the link-traffic module, ~215 s in CI, as the JAX run compiles at LLVM level 0, 1810 -> 1240 s; the
+# slab-choice module back to the first lane: a CI rehearsal had the lanes at 2016 s and 1240 + 292 + 565 s)
 TF_SECOND_LANE := tests/offload/tensorflow/test_zoo_slabs.py tests/offload/tensorflow/test_sweeps.py \
-	tests/offload/tensorflow/test_slab_choice.py tests/offload/tensorflow/test_keep_where_room.py \
-	tests/offload/tensorflow/test_link_traffic.py
+	tests/offload/tensorflow/test_keep_where_room.py tests/offload/tensorflow/test_link_traffic.py
 PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider --durations=40 --durations-min=5
 TF_RUN := KERAS_BACKEND=tensorflow $(PYTEST)
 
