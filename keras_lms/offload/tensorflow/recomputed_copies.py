@@ -81,7 +81,7 @@ class RecomputedWindows:
             return self._upsampled_window(producer, a, b, gates, reader, kind)
         plan = producer.slabs
         lo, hi = max(0, a - plan.halo), min(plan.length, b + plan.halo)
-        if producer.chain is not None:
+        if producer.chain is not None:  # (its BatchNorm input window waits for the reader there)
             windows = [self._chain_input_window(producer, lo, hi, gates, reader, kind)[1]]
         else:
             windows = []
@@ -91,7 +91,7 @@ class RecomputedWindows:
                 else:
                     with on_device(reader.compute_device), slabs.gated(gates):
                         windows.append(slabs.rows(kept, lo, hi))
-        windows = when_reader_runs(windows, reader)
+            windows = when_reader_runs(windows, reader)
         moments = None
         if plan.moments:
             mean, variance, _ = producer.moments[0]

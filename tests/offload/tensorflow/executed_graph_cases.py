@@ -171,21 +171,13 @@ def counts(model, x, wrapped=None):
 
 def _gradient_slices(step) -> tuple:
     """(slices, gated slices): StridedSlice nodes of the backward on the compute device that cut a tensor
-    made in the backward (an upstream gradient), and how many of them have a control input themselves. A crop of
-    a window brought back (``lms_swap_in_*``) does not count as gated: its control input is its reader's gradient
-    arrival, which ``recomputed_copies.when_reader_runs`` gates recomputed windows on and grappler moves onto the
-    crops (8 of them in the 3D control since session 16), not the slab before."""
+    made in the backward (an upstream gradient), and how many of them have a control input themselves."""
     sliced = [name for name, node in step.nodes.items()
               if node.op == "StridedSlice" and name in step.backward and step.device[name] == eg.COMPUTE
               and any(parent in step.backward for tensor, parent in step.parents.get(name, [])[:1]
                       if tensor is not None)]
-
-    def slab_gated(name):
-        parents = step.parents.get(name, [])
-        window_crop = any(tf_record.SWAP_IN_NAME in parent for tensor, parent in parents[:1] if tensor is not None)
-        return not window_crop and any(tensor is None for tensor, _ in parents)
-
-    return len(sliced), sum(map(slab_gated, sliced))
+    gated = [name for name in sliced if any(tensor is None for tensor, _ in step.parents.get(name, []))]
+    return len(sliced), len(gated)
 
 
 def _reader_gates(step) -> tuple:
