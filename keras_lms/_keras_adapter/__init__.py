@@ -61,6 +61,7 @@ from keras_lms._keras_adapter.layers import (  # noqa: E402
     clear_losses,
     fused_activation,
     get_mask,
+    replaced_convolution,
     set_mask,
     valid_convolution,
 )
@@ -93,8 +94,8 @@ __all__ = [  # the last line: re-exported from keras_lms._keras_support (public 
     "current_autocast_dtype", "run_stateless", "raw_values", "recording_variable_reads", "original_call",
     "CallInContext", "patched_calls", "clear_losses", "functional_operations", "get_mask", "set_mask",
     "compute_output_spec", "releasing_graph_runs", "acyclic_torch_trees", "batchnorm_moments_hook",
-    "batchnorm_reduction_axes", "fused_activation", "valid_convolution", "optimizer_variable_key",
-    "optimizer_trainable_variables",
+    "batchnorm_reduction_axes", "fused_activation", "valid_convolution", "replaced_convolution",
+    "optimizer_variable_key", "optimizer_trainable_variables",
     "rmsprop_momentums", "serialize_like", "initial_epoch", "set_initial_epoch", "can_skip_train_steps",
     "skipping_train_function", "global_seed_generator", "build_compiled_metrics",
     "SUPPORTED_KERAS", "check_keras_version", "is_quantized", "patched_attribute",

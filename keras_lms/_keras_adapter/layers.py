@@ -16,7 +16,10 @@ Keras internals relied on (Keras 3.15), and why:
   with ``linear`` and restores exactly what :func:`fused_activation` returned;
 * the convolution layers store ``padding`` in the instance dict and ``BaseConv.convolution_op`` reads
   ``self.padding`` at call time: the TensorFlow back end runs a slab of a "same" convolution, explicitly padded,
-  through the layer's own ``call`` with ``"valid"`` (:func:`valid_convolution`).
+  through the layer's own ``call`` with ``"valid"`` (:func:`valid_convolution`);
+* ``BaseConv.call`` convolves through ``self.convolution_op(inputs, self.kernel)`` and then adds the bias and
+  applies the activation: the JAX back end convolves a concatenation's parts, or in windows of rows, in its place
+  (:func:`replaced_convolution`).
 """
 
 from __future__ import annotations
@@ -108,4 +111,27 @@ def valid_convolution(layer):
             "not. The adapter needs updating for this Keras."
         )
     with patched_attribute(layer, "padding", "valid"):
+        yield
+
+
+@contextlib.contextmanager
+def replaced_convolution(layer, convolve):
+    """Within the block, a convolution layer's own ``call`` computes its convolution as ``convolve(kernel,
+    convolution_op)`` (the kernel as the call reads it: autocast, from the stateless scope; the layer's own
+    ``convolution_op(inputs, kernel)``) and ignores the input it is given; the bias and the activation are still
+    the call's own.
+
+    Why: the JAX back end convolves a channel concatenation's parts (each with its channels' slice of the kernel)
+    instead of the concatenation, and a large forward in windows of rows (``offload/jax/convolutions.py``).
+    Keras 3.15's ``BaseConv.call`` convolves through ``self.convolution_op(inputs, self.kernel)``, read at call
+    time; it is shadowed for the block.
+    """
+    if not callable(getattr(layer, "convolution_op", None)) or getattr(layer, "groups", 1) != 1:
+        raise RuntimeError(
+            f"keras_lms._keras_adapter.replaced_convolution() expects {type(layer).__name__} to convolve through "
+            f"`convolution_op` with one group, as Keras {SUPPORTED_KERAS[0]},{SUPPORTED_KERAS[1]}'s BaseConv does; "
+            f"Keras {keras.__version__} does not. The adapter needs updating for this Keras."
+        )
+    own = layer.convolution_op
+    with patched_attribute(layer, "convolution_op", lambda _inputs, kernel: convolve(kernel, own)):
         yield

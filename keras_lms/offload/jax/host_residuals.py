@@ -113,7 +113,7 @@ def _nbytes(value) -> int:
 
 def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = DEFAULT_MIN_BYTES,
                        record: list | None = None, barriers: frozenset = BARRIERS, lean: bool = True,
-                       recompute_constants: bool = True, **kwargs: Any):
+                       recompute_constants: bool = True, forward_call: Callable | None = None, **kwargs: Any):
     """Run ``original(*args, **kwargs)`` (the layer's call) with its large backward residuals in host memory.
 
     Args:
@@ -123,6 +123,9 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         *args, **kwargs: the call's arguments.
         min_bytes: residuals smaller than this stay on the device (the layer's weights always do).
         record: when given, ``(layer.name, bytes)`` of each residual sent to host is appended to it (at trace).
+        forward_call: computes the same outputs (and state) as ``original`` from the same arguments in another way
+            (a convolution in windows of rows: ``convolutions``); it runs the forward pass, and the backward is
+            ``original``'s pullback (its residuals, its gradients). Not for calls with a lean pullback.
         barriers, lean, recompute_constants: the parts of the mechanism, all on by default; switched off one by
             one only to measure what each does (``docs/jax_findings.md``). ``barriers`` holds any of
             ``"forward"`` (copies to host before the output is used), ``"backward"`` (residuals wait for the
@@ -133,13 +136,14 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         memory (``pinned_host``) between the forward and the backward use.
     """
     fn, trainable, non_trainable, arrays, assign_back = stateless_pure_call(layer, original, args, kwargs)
+    run = fn if forward_call is None else stateless_pure_call(layer, forward_call, args, kwargs)[0]
     layout = {}  # filled while the forward rule is traced: the pullback's structure and which leaves went to host
 
     @jax.custom_vjp
     def call(trainable, non_trainable, arrays):
-        return fn(trainable, non_trainable, arrays)
+        return run(trainable, non_trainable, arrays)
 
-    lean = lean_pullback_for(layer, trainable, arrays) if lean else None
+    lean = lean_pullback_for(layer, trainable, arrays) if lean and forward_call is None else None
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):
@@ -158,6 +162,11 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
                 offloaded.append(i)
                 seen.add(id(leaf))
         on_host = [jax.device_put(residuals[i], jax.memory.Space.Host) for i in offloaded]
+        if forward_call is not None:
+            # The outputs computed another way (the pullback's own forward is then unread, and XLA removes it),
+            # after the copies to host: their layout conversions are made and freed before it runs.
+            on_host, arrays = jax.lax.optimization_barrier((on_host, arrays))
+            outputs, new_non_trainable = run(trainable, non_trainable, arrays)
         # The consumer of `outputs` waits for the copies to host: they cannot be scheduled late.
         if "forward" in barriers:
             on_host, outputs = jax.lax.optimization_barrier((on_host, outputs))

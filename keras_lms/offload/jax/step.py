@@ -13,6 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_lms.offload import common
+from keras_lms.offload.jax.convolutions import ConcatenatedInputs, convolution_call, window_count
 from keras_lms.offload.jax.devices import validate_host_device
 from keras_lms.offload.jax.host_residuals import host_residual_call
 from keras_lms.offload.jax.tracing import TENSOR_FACTS
@@ -24,6 +25,7 @@ class StepContext(common.InterceptingContext):
 
     def __init__(self, config, structure, plan, eager: bool = False):
         super().__init__(config, structure, plan, eager, host=validate_host_device(config.host_device))
+        self.concatenations = ConcatenatedInputs()
 
     @staticmethod
     def tensor_bytes(tensor) -> int:
@@ -35,7 +37,19 @@ class StepContext(common.InterceptingContext):
         tensors = TENSOR_FACTS.tensors((args, kwargs))
         decision = self._decision(index, unit, tensors)
         if not decision.offloaded or not isinstance(unit, keras.layers.Layer):
-            return original(*args, **kwargs)
+            outputs = original(*args, **kwargs)
+            self.concatenations.note(unit, args, outputs)
+            return outputs
+        own, forward = original, None
+        parts = self.concatenations.parts_of(unit, args, kwargs)
+        if parts is not None:  # a convolution over a concatenation: its parts, never the concatenation
+            original, args = convolution_call(unit, own, len(parts)), tuple(parts)
+        windows = window_count(unit, args, self.config.slab_bytes) if not kwargs else 1
+        if windows > 1:  # a large convolution's forward in windows of rows (its backward whole)
+            forward = convolution_call(unit, own, len(args), windows)
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
-        return host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, **kwargs)
+        outputs = host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, forward_call=forward,
+                                     **kwargs)
+        self.concatenations.note(unit, args, outputs)
+        return outputs

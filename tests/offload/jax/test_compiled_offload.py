@@ -148,3 +148,29 @@ def test_the_report_predicts_the_compiled_2d_peak_where_xla_frees_convolution_in
     monkeypatch.setattr(step_memory.JaxFacts, "input_freed_before_input_gradient", lambda self, call: False)
     control = keras_lms.report(model, batch_size=8).totals["predicted_peak_bytes_wrapped"]
     assert control - compiled > 0.15 * compiled, (control / 2**20, compiled / 2**20)
+
+
+def test_large_convolutions_run_forward_in_windows_and_over_the_concatenations_parts(h100, monkeypatch):
+    """``offload/jax/convolutions.py`` in the compiled program: the 3D U-Net 2x96^3 (16 filters) wrapped with
+    ``slab_bytes="32MiB"`` computes its level-0 convolutions' forwards in windows of rows (dynamic-update-slices in
+    the HLO) and its decoder's first convolution over the concatenation's parts; the device temp falls by more
+    than 5% (measured 569.3 -> 511.0 MiB) with the same host bytes (the parts go to host instead of their
+    concatenation). Control: both switched off, the same wrapped model compiles to the step without them."""
+    from keras_lms.offload.jax import convolutions
+
+    def compiled(rewritten: bool):
+        monkeypatch.setattr(convolutions, "SPLIT_PARTS", rewritten)
+        monkeypatch.setattr(convolutions, "WINDOWED", rewritten)
+        keras.utils.set_random_seed(0)
+        model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
+        model.compile(optimizer="adam", loss="mse")
+        x = np.zeros((2, 96, 96, 96, 1), "float32")
+        adapter.build_compiled_metrics(model, (x, x))
+        model.optimizer.build(model.trainable_variables)
+        info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
+        return info, program.as_text().count("dynamic-update-slice")
+
+    (control, control_updates), (rewritten, updates) = compiled(False), compiled(True)
+    assert rewritten.temp_bytes < 0.95 * control.temp_bytes, (rewritten.temp_bytes / 2**20, control.temp_bytes / 2**20)
+    assert abs(rewritten.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
+    assert updates > control_updates + 8, (updates, control_updates)

@@ -1,0 +1,141 @@
+"""Offloaded convolutions that XLA would otherwise compile with full-size temporaries (JAX back end).
+
+In the program XLA compiles for a GPU, a float32 3D convolution runs channels-first: XLA writes a transposed copy
+of the input for cuDNN beside the input and the output. At the 16 GiB cube of the 3D U-Net (384^3 float32, 16
+filters) the wrapped step's peak is the decoder's first convolution, ``up0_conv1``, which reads a channel
+concatenation of the skip and the up-sampled tensor: in the forward the concatenation (6.75 GiB), its transposed
+copy (6.75 GiB) and the output (3.38 GiB), and the same again in the backward, where XLA rematerialises the
+concatenation (docs/jax_findings.md). Two rewrites of such a call, both the layer's own ``call`` with its
+convolution replaced (``_keras_adapter.replaced_convolution``), so bias, activation and autocast stay Keras':
+
+* **over the parts**: a convolution is linear in its input's channels, ``conv([a, b], W) = conv(a, W[..., :ca, :])
+  + conv(b, W[..., ca:, :])``, so a convolution that reads a channel concatenation made in the same step convolves
+  the parts. Its host residuals are the parts, and the concatenation, left without a reader, is removed by XLA.
+  That alone took the backward's peak from 17.36 to 14.01 GiB at 384^3, and left the forward's at 17.36 (both
+  parts, a transposed part and the two partial outputs).
+* **the forward in windows of rows** (inputs larger than ``LMSConfig.slab_bytes``): the output is computed a
+  window of rows of the first spatial axis at a time, each from its input rows widened by the kernel's halo (zero
+  rows where the window meets the tensor's edge), written into the output in place
+  (``lax.dynamic_update_slice``), each window's input cut only after the previous window's output is written
+  (``lax.optimization_barrier``), so only one window's transposes exist at a time. The backward is the unwindowed
+  call's (``host_residuals``: the pullback of the original call, its residuals the inputs): a windowed
+  backward's transposed slices would be input-sized zero-padded buffers summed at the end.
+
+Both give the plain call's values up to the order of float additions (the per-part sums; each output element is
+the same dot product in a window). Only stride-1 ``"same"`` channels-last convolutions of one group with odd
+kernels and a linear activation (the pullback of an activated call would keep its output) are windowed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_lms import _keras_adapter as adapter
+
+SPLIT_PARTS = True  # False: a convolution reads the concatenation (the control of the compiled-program tests)
+WINDOWED = True  # False: every forward runs whole (the control)
+CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+
+
+def _plain_convolution(layer) -> bool:
+    """A channels-last convolution of one group (not transposed, depthwise or separable)."""
+    return type(layer) in CONVOLUTIONS and layer.data_format == "channels_last" and getattr(layer, "groups", 1) == 1
+
+
+def _windowable(layer) -> bool:
+    """Stride 1, "same", odd kernels, a linear activation: each output row reads its input rows +- the halo."""
+    return (_plain_convolution(layer) and layer.padding == "same" and all(s == 1 for s in layer.strides)
+            and all(k % 2 == 1 for k in layer.kernel_size)
+            and layer.activation in (keras.activations.linear, None))
+
+
+class ConcatenatedInputs:
+    """The channel concatenations of one traced step (by output identity: Keras hands a concatenation's output
+    object to its reader unchanged where no cast is needed), for the convolutions that read them."""
+
+    def __init__(self):
+        self._made = {}  # id(output) -> (output, parts)
+
+    def note(self, layer, args, outputs) -> None:
+        """After a call: remember a channel concatenation's output and its parts."""
+        if (SPLIT_PARTS and isinstance(layer, keras.layers.Concatenate) and layer.axis == -1 and len(args) == 1
+                and isinstance(args[0], (list, tuple))):
+            self._made[id(outputs)] = (outputs, list(args[0]))
+
+    def parts_of(self, layer, args, kwargs):
+        """The parts a convolution call convolves instead of its input, or None."""
+        if not (SPLIT_PARTS and _plain_convolution(layer)) or len(args) != 1 or kwargs:
+            return None
+        made = self._made.get(id(args[0]))
+        if made is None or made[0] is not args[0]:
+            return None
+        x, parts = args[0], made[1]
+        if len(parts) < 2 or any(p.dtype != x.dtype or tuple(p.shape[:-1]) != tuple(x.shape[:-1]) for p in parts):
+            return None
+        return parts
+
+
+def window_count(layer, inputs, slab_bytes: int) -> int:
+    """How many windows of rows the call's forward runs in: its inputs' bytes over ``slab_bytes`` (1: whole)."""
+    if not (WINDOWED and slab_bytes and _windowable(layer)):
+        return 1
+    nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in inputs)
+    rows = inputs[0].shape[1]
+    return max(1, min(rows, -(-nbytes // slab_bytes))) if len(inputs[0].shape) >= 3 else 1
+
+
+def convolution_call(layer, original, count: int, windows: int = 1):
+    """``original`` (the layer's own call) as a function of the ``count`` tensors its input concatenates (1: the
+    input itself), its convolution summed over them and computed in ``windows`` windows of rows."""
+    def call(*inputs):
+        if len(inputs) != count:
+            raise RuntimeError(f"keras-lms: {layer.name!r} was given {len(inputs)} inputs of {count}")  # a bug
+        with adapter.replaced_convolution(layer, lambda kernel, op: _convolve(layer, op, inputs, kernel, windows)):
+            return original(inputs[0])  # (its input is not read: ``inputs`` are)
+
+    return call
+
+
+def _kernel_slices(inputs, kernel):
+    start, slices = 0, []
+    for x in inputs:
+        slices.append(kernel[..., start:start + x.shape[-1], :])
+        start += x.shape[-1]
+    return slices
+
+
+def _convolve(layer, convolution_op, inputs, kernel, windows: int):
+    kernels = _kernel_slices(inputs, kernel)
+    if windows <= 1:
+        return _sum(convolution_op(x, k) for x, k in zip(inputs, kernels))
+    length = inputs[0].shape[1]
+    halos = [d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate)]
+    bounds = [(length * i // windows, length * (i + 1) // windows) for i in range(windows)]
+    # The output buffer is made only once every input exists as the windows read it (XLA would otherwise
+    # allocate it first, beside an input and that input's copy in another layout).
+    # (Keras casts the input and the kernel to the compute dtype: the output's too)
+    inputs, zero = jax.lax.optimization_barrier((tuple(inputs), jnp.zeros((), inputs[0].dtype)))
+    out = jnp.broadcast_to(zero, (*inputs[0].shape[:-1], kernel.shape[-1]))
+    for i, (a, b) in enumerate(bounds):
+        if i:  # this window's input is cut once the previous window's output is written
+            inputs, out = jax.lax.optimization_barrier((inputs, out))
+        lo, hi = a - halos[0], b + halos[0]
+        pieces = []
+        for x, k in zip(inputs, kernels):
+            rows = jax.lax.slice_in_dim(x, max(lo, 0), min(hi, length), axis=1)
+            padding = [(0, 0), (max(0, -lo), max(0, hi - length))] + [(h, h) for h in halos[1:]] + [(0, 0)]
+            pieces.append(keras.ops.conv(jnp.pad(rows, padding), k, strides=1, padding="valid",
+                                         dilation_rate=layer.dilation_rate, data_format="channels_last"))
+        out = jax.lax.dynamic_update_slice_in_dim(out, _sum(pieces).astype(out.dtype), a, axis=1)
+    return out
+
+
+def _sum(tensors):
+    total = None
+    for t in tensors:
+        total = t if total is None else total + t
+    return total
