@@ -10,7 +10,8 @@ copies each residual out just before copying it back; ``docs/jax_findings.md``).
 BatchNorm statistics and SeedGenerator states are handed back from the stateless call, so Dropout masks and
 moving statistics are the plain model's.
 
-The modules: ``host_residuals`` (the offloaded call), ``lean`` (lean backward rules XLA needs), ``step`` (the step
+The modules: ``host_residuals`` (the offloaded call), ``lean`` (lean backward rules XLA needs), ``convolutions``
+(a convolution over a concatenation's parts, a large one's forward in windows of rows), ``step`` (the step
 context), ``tracing`` (the planning trace), ``devices`` (host device, memory readings), ``step_memory`` (the
 planner's ``BackendFacts``) and ``deviceless`` (compile a step for an H100 without one and read its memory).
 
