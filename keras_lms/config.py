@@ -125,13 +125,16 @@ class LMSConfig:
         device_budget: `None` (offload by the rules above), or bytes / a size string such as `"6GiB"`: the
             planner then offloads only what the predicted training step needs to fit (largest, longest-lived
             tensors first; nothing when it fits anyway). Defaults to `None`.
-        lean_normalization: torch back end: the backward of an offloaded BatchNormalization call (training,
+        lean_normalization: torch (and JAX, below): the backward of an offloaded BatchNormalization call (training,
             batch statistics) reuses the forward's saved mean and variance and runs the operations autograd
             would run for Keras' ops, on slabs of the input, instead of recomputing the layer: no input-sized
             float32 temporaries, no recompute. The forward pass, its output and the moving statistics are
             Keras' own either way; the gradient is bit-identical up to 16384 positions per call and equal up to
             rounding beyond (docs/design.md, "Lean normalisation (torch)"). `False` recomputes instead. On
-            TensorFlow, BatchNormalization is made lean by `slab_bytes`. Defaults to `True`.
+            TensorFlow, BatchNormalization is made lean by `slab_bytes`. On JAX the call's backward keeps only its
+            input (in its own dtype) and scale, and evaluates the batch-norm gradient from them; `False` keeps
+            what JAX's own differentiation keeps (float32 input-sized residuals under mixed precision). Defaults
+            to `True`.
         slab_bytes: offloaded calls of spatially local layers (stride-1 `"same"` convolutions,
             BatchNormalization, element-wise activations) whose input is larger than this are computed in slabs
             along the first spatial axis, forward and backward, with halos for the convolutions: only

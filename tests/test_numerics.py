@@ -110,9 +110,11 @@ def test_batchnorm_statistics_of_the_recompute_match():
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0)
     result = assert_matches(model, wrapped, images(size=8, channels=4))
     assert {bn.moving_mean.path, bn.moving_variance.path} <= set(result["state_changed"])
-    # JAX saves the forward's residuals instead of recomputing, and XLA fuses the wrapped step's reductions around
-    # its optimisation barriers in another order: float32 summation order (measured 3e-7), not another batch.
-    assert result["grads"][bn.gamma.path] <= (1e-6 if BACKEND == "jax" else 0.0)
+    # JAX evaluates the batch-norm gradient from the input (offload/jax/lean_norm.py) where the plain step
+    # differentiates Keras' ops, and XLA orders the reductions differently: float32 rounding (measured 1.2e-6; 3e-7
+    # before the lean backward; gamma's gradient feeds a Dense directly, the amplifying case of docs/design.md),
+    # not another batch (which differs in the first digit).
+    assert result["grads"][bn.gamma.path] <= (3e-6 if BACKEND == "jax" else 0.0)
 
 
 def test_shared_layer_gets_gradients_from_every_call():

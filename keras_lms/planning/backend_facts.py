@@ -142,6 +142,13 @@ class BackendFacts:
         computes a convolution's weight gradient first and frees the input), so the two never coexist."""
         return False
 
+    def host_bytes(self, call, offloaded_bytes: int, batch_size: int = 1, lean_normalization: bool = True,
+                   min_bytes: int = 0) -> int:
+        """Bytes an offloaded call sends to host when its offloaded inputs are ``offloaded_bytes``: those inputs
+        (TensorFlow and torch copy the tensors themselves); a back end that copies what its differentiation keeps
+        instead says so (JAX: a ReLU's mask, a pooling's argmax indices; residuals under ``min_bytes`` stay)."""
+        return offloaded_bytes
+
     def saved_extra_bytes(self, unit, input_bytes: int, output_bytes: int) -> int:
         """Bytes the framework saves for the call's backward besides its inputs and outputs."""
         return 0

@@ -89,7 +89,8 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
     """The plan's entries from the per-call offload decisions: slabs, level sweeps and, with a device profile,
     the recomputed tensors (a search that starts from ``recomputed``), the sweeps' windows and the prefetch
     depth."""
-    entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes)
+    entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes, config.lean_normalization,
+                           config.min_bytes)
     entries = _note_slabs(calls, entries, facts, batch_size)
     plan_sweeps(calls, entries, config, facts, batch_size)
     if config.device_profile is not None:

@@ -153,9 +153,10 @@ class CallDecision:
 
 
 def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], facts, batch_size: int = 1,
-                 slab_bytes: int = 0) -> list:
-    """One PlanEntry per call, in forward order, from the final decisions (``slab_bytes``: the config's, for
-    decisions that do not choose their own; ``facts``: the back end's ``BackendFacts``)."""
+                 slab_bytes: int = 0, lean_normalization: bool = True, min_bytes: int = 0) -> list:
+    """One PlanEntry per call, in forward order, from the final decisions (``slab_bytes``, ``lean_normalization``,
+    ``min_bytes``: the config's, for decisions that do not choose their own; ``facts``: the back end's
+    ``BackendFacts``, whose ``host_bytes`` says what an offloaded call sends to host)."""
     entries, copied = [], set()
     for index, (call, decision) in enumerate(zip(calls, decisions)):
         sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
@@ -171,6 +172,9 @@ def plan_entries(calls: Sequence[RawCall], decisions: Sequence[CallDecision], fa
             if off and reads and key not in copied:
                 copied.add(key)
                 new_bytes += size
+        if offloaded_bytes:
+            sent = facts.host_bytes(call, offloaded_bytes, batch_size, lean_normalization, min_bytes)
+            offloaded_bytes, new_bytes = sent, new_bytes * sent // offloaded_bytes
         entries.append(PlanEntry(
             index=index, layer=call.unit.name, layer_class=type(call.unit).__name__,
             shapes=[tuple(s) for s in call.shapes], dtypes=[str(d) for d in call.dtypes], bytes=sum(sizes),

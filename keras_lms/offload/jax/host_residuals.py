@@ -113,7 +113,8 @@ def _nbytes(value) -> int:
 
 def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = DEFAULT_MIN_BYTES,
                        record: list | None = None, barriers: frozenset = BARRIERS, lean: bool = True,
-                       recompute_constants: bool = True, forward_call: Callable | None = None, **kwargs: Any):
+                       recompute_constants: bool = True, forward_call: Callable | None = None,
+                       lean_normalization: bool = True, **kwargs: Any):
     """Run ``original(*args, **kwargs)`` (the layer's call) with its large backward residuals in host memory.
 
     Args:
@@ -123,6 +124,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         *args, **kwargs: the call's arguments.
         min_bytes: residuals smaller than this stay on the device (the layer's weights always do).
         record: when given, ``(layer.name, bytes)`` of each residual sent to host is appended to it (at trace).
+        lean_normalization: a BatchNormalization with batch statistics keeps only its input and scale for its
+            backward (``lean_norm``; ``LMSConfig.lean_normalization``).
         forward_call: computes the same outputs (and state) as ``original`` from the same arguments in another way
             (a convolution in windows of rows: ``convolutions``); it runs the forward pass, and the backward is
             ``original``'s pullback (its residuals, its gradients). Not for calls with a lean pullback.
@@ -143,7 +146,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     def call(trainable, non_trainable, arrays):
         return run(trainable, non_trainable, arrays)
 
-    lean = lean_pullback_for(layer, trainable, arrays) if lean and forward_call is None else None
+    lean = (lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization)
+            if lean and forward_call is None else None)
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from keras import activations, layers
 
+from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
+
 __all__ = ["lean_pullback_for"]
 
 _IN, _KERNEL = "pqr", "abe"
@@ -94,12 +96,16 @@ def _pool_grads(pool, shape, index, cotangent):
     return [], [spread.transpose(order).reshape(shape)]
 
 
-def lean_pullback_for(layer, trainable, arrays):
-    """A ``pullback_maker(trainable, arrays)`` for ``layer`` if it has a lean backward here, else None.
+def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool = True):
+    """A ``pullback_maker(trainable, arrays)`` for ``layer`` if it has a lean backward here (or, with
+    ``normalization``, for a BatchNormalization called with ``kwargs``, in ``lean_norm``), else None.
 
     The maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (input, kernel, bias) and which,
     called with the output cotangent, returns ``(trainable_grads, [input_grad])`` like ``jax.vjp``'s pullback.
     """
+    lean_norm = lean_batchnorm_pullback(layer, trainable, arrays, kwargs or {}) if normalization else None
+    if lean_norm is not None:
+        return lean_norm
     if _block_max_pool(layer, arrays) and not trainable:
         pool = tuple(layer.pool_size)
 

@@ -50,6 +50,6 @@ class StepContext(common.InterceptingContext):
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
         outputs = host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, forward_call=forward,
-                                     **kwargs)
+                                     lean_normalization=self.config.lean_normalization, **kwargs)
         self.concatenations.note(unit, args, outputs)
         return outputs

@@ -1,0 +1,87 @@
+"""A lean backward for an offloaded BatchNormalization with batch statistics (JAX back end).
+
+Keras computes BatchNormalization in float32 even for float16/bfloat16 inputs. ``jax.vjp`` of its call keeps
+float32 input-sized residuals (the centred input), so under mixed precision the call sends twice its input's bytes
+to host and brings them back. At the 3D U-Net's mixed_float16 cube (448^3) that was the compiled step's peak:
+`down0_bn1`'s backward held a float32 residual (5.36 GiB) beside a float32 channels-first temporary and the
+float16 input and gradient (docs/jax_findings.md).
+
+Here the forward pass is Keras' own (outputs, moving statistics), and the pullback keeps only the input, in its
+own dtype, and the scale. The backward recomputes the batch mean and variance from the input as Keras computes
+them (``keras.ops.moments``, in float32 for 16-bit inputs) and evaluates the batch-norm gradient
+(``xhat = (x - mean) * rsqrt(variance + epsilon)``, ``N`` the elements per channel):
+
+    d_offset = sum(dy)      d_scale = sum(dy * xhat)      dx = scale * rsqrt(variance + epsilon) *
+                                                               (dy - d_offset / N - xhat * d_scale / N)
+
+which is what differentiating Keras' function gives, through the statistics too, up to float rounding; XLA fuses
+the float32 arithmetic into the backward's reductions and its one elementwise pass.
+
+Only for Keras' own BatchNormalization in training with batch statistics (trainable, no renorm, not
+synchronised, no mask), and for inputs whose dtype Keras computes in (float32, float16, bfloat16): Keras computes
+a float64 model's BatchNormalization in float32 on JAX, and only JAX's own differentiation reproduces that
+rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import keras
+
+__all__ = ["lean_batchnorm_pullback"]
+
+
+def _eligible(layer, arrays, kwargs) -> bool:
+    if type(layer) is not keras.layers.BatchNormalization or len(arrays) != 1:
+        return False
+    x = arrays[0]
+    return (kwargs.get("training") is True and layer.trainable and not layer.renorm and not layer.synchronized
+            and kwargs.get("mask") is None and x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+            and jnp.dtype(x.dtype).itemsize <= 4)
+
+
+def _grads(spec, x, scale, cotangent):
+    """(trainable gradients in ``spec``'s order, [input gradient])."""
+    axes, epsilon, scale_index, offset_index, count, dtypes = spec
+    x32 = x.astype(jnp.float32)
+    mean, variance = keras.ops.moments(x32, axes, keepdims=True)
+    inv = jax.lax.rsqrt(variance + epsilon)
+    xhat = (x32 - mean) * inv
+    dy = cotangent.astype(jnp.float32)
+    n = math.prod(x.shape[a] for a in axes)
+    d_offset = jnp.sum(dy, axis=axes, keepdims=True)
+    d_scale = jnp.sum(dy * xhat, axis=axes, keepdims=True)
+    g = inv if scale is None else inv * scale.astype(jnp.float32).reshape(mean.shape)
+    dx = g * (dy - d_offset / n - xhat * (d_scale / n))
+    grads = [None] * count
+    if scale_index is not None:
+        grads[scale_index] = d_scale.reshape(-1).astype(dtypes[scale_index])
+    if offset_index is not None:
+        grads[offset_index] = d_offset.reshape(-1).astype(dtypes[offset_index])
+    return grads, [dx.astype(x.dtype)]
+
+
+def lean_batchnorm_pullback(layer, trainable, arrays, kwargs):
+    """A ``pullback_maker(trainable, arrays)`` for an eligible BatchNormalization call (module docstring), else
+    None; the maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (the input, the scale)."""
+    if not _eligible(layer, arrays, kwargs):
+        return None
+    variables = list(layer.trainable_variables)
+    scale_index = next((i for i, v in enumerate(variables) if layer.scale and v is layer.gamma), None)
+    offset_index = next((i for i, v in enumerate(variables) if layer.center and v is layer.beta), None)
+    if len(variables) != (scale_index is not None) + (offset_index is not None):
+        return None
+    ndim = arrays[0].ndim
+    axes = tuple(i for i in range(ndim) if i != layer.axis % ndim)
+    spec = (axes, float(layer.epsilon), scale_index, offset_index, len(variables),
+            [jnp.dtype(v.dtype) for v in variables])
+
+    def make(trainable, arrays):
+        scale = trainable[scale_index] if scale_index is not None else None
+        return jax.tree_util.Partial(functools.partial(_grads, spec), arrays[0], scale)
+
+    return make
