@@ -413,6 +413,32 @@ def test_valid_convolution_refuses_padding_not_stored_on_the_instance():
             pass
 
 
+def test_replaced_convolution_runs_the_layers_own_bias_and_activation_around_it():
+    """The JAX back end's convolution over a concatenation's parts and windowed forward replace only the
+    convolution: ``BaseConv.call`` must read ``self.convolution_op`` at call time and add the bias and apply the
+    activation to what it returns."""
+    layer = keras.layers.Conv2D(3, 3, padding="same", activation="relu")
+    x = keras.ops.convert_to_tensor(np.random.default_rng(4).standard_normal((2, 5, 4, 2)).astype("float32"))
+    plain = keras.ops.convert_to_numpy(layer(x))
+    layer.bias.assign(np.array([0.5, -1.0, 2.0], "float32"))
+    seen = []
+
+    def convolve(kernel, convolution_op):
+        seen.append(tuple(kernel.shape))
+        return convolution_op(x, kernel) * 0.0  # the layer's own op, zeroed: only the bias and the relu are left
+
+    with adapter.replaced_convolution(layer, convolve):
+        replaced = keras.ops.convert_to_numpy(layer(keras.ops.zeros((2, 5, 4, 2))))
+    canary(seen == [(3, 3, 2, 3)], "replaced_convolution", "BaseConv.call reads self.convolution_op at call time")
+    canary(np.allclose(replaced, np.broadcast_to([0.5, 0.0, 2.0], replaced.shape)), "replaced_convolution",
+           "the bias and the activation are applied to the convolution op's result")
+    layer.bias.assign(np.zeros(3, "float32"))
+    assert np.allclose(keras.ops.convert_to_numpy(layer(x)), plain, atol=1e-6)  # restored
+    with gone("replaced_convolution"):  # a layer that does not convolve through convolution_op
+        with adapter.replaced_convolution(keras.layers.Dense(2), convolve):
+            pass
+
+
 # ---------------------------------------------------------- the fit loop, for keras_lms.BackupAndRestore
 def _sgd_model():
     keras.utils.set_random_seed(0)
