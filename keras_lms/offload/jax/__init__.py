@@ -6,7 +6,8 @@ compiles and schedules. Every offloaded layer call ``y = layer(x)`` becomes a ``
 of its pullback to host memory (``jax.device_put(..., jax.memory.Space.Host)``, pinned host memory on a GPU), and
 ``jax.lax.optimization_barrier`` ties the copies to the call's output and their copies back to the incoming
 cotangent, so XLA frees the device buffer between the forward and the backward use (without the barriers it
-copies each residual out just before copying it back; ``docs/jax_findings.md``). Nothing is recomputed.
+copies each residual out just before copying it back; ``docs/jax_findings.md``). No layer runs twice
+(``lean_norm`` recomputes a BatchNorm's batch statistics).
 BatchNorm statistics and SeedGenerator states are handed back from the stateless call, so Dropout masks and
 moving statistics are the plain model's.
 

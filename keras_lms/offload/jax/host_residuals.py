@@ -17,7 +17,7 @@ The naive alternative, ``jax.checkpoint`` with ``save_and_offload_only_these_nam
 (`checkpoint_offload_call`, kept as the negative control), leaves the copy to host unordered: XLA's scheduler
 places it just before its copy back, and the device buffer lives through the whole forward pass.
 
-Nothing is recomputed: the backward uses the forward's own residuals, brought back from host. Both functions are
+No layer runs twice: the backward uses the forward's own residuals, brought back from host. Both functions are
 meant to run as a layer's ``call`` (inside ``Layer.__call__``, so Keras has resolved ``training``, masks and
 the autocast scope), with ``original`` the layer's own ``call``; `keras_lms._keras_adapter.patched_calls`
 installs such a stand-in.
