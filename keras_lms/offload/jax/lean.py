@@ -30,7 +30,7 @@ from keras import activations, layers
 
 from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
 
-__all__ = ["lean_pullback_for"]
+__all__ = ["block_max_pool", "lean_pullback_for"]
 
 _IN, _KERNEL = "pqr", "abe"
 
@@ -64,12 +64,14 @@ def _grads(spec, x, kernel, bias, cotangent):
     return grads, [d_x.astype(x.dtype)]
 
 
-def _block_max_pool(layer, arrays) -> bool:
-    """``layer`` is a channels-last max pooling with pool size == strides, "valid", windows tiling its input."""
-    if not isinstance(layer, (layers.MaxPooling1D, layers.MaxPooling2D, layers.MaxPooling3D)) or len(arrays) != 1:
+def block_max_pool(layer, input_shape) -> bool:
+    """``layer`` is a channels-last max pooling with pool size == strides, "valid", windows tiling an input of
+    ``input_shape`` (batch axis included) and at most 256 elements each (the argmax index is one byte). Also what
+    the planner's ``JaxFacts.host_bytes`` counts such a call's host copy by."""
+    if not isinstance(layer, (layers.MaxPooling1D, layers.MaxPooling2D, layers.MaxPooling3D)):
         return False
     pool, strides = tuple(layer.pool_size), tuple(layer.strides)
-    spatial = arrays[0].shape[1:-1]
+    spatial = tuple(input_shape[1:-1])
     return (layer.data_format == "channels_last" and pool == strides and layer.padding == "valid"
             and len(spatial) == len(pool) and all(s % p == 0 for s, p in zip(spatial, pool))
             and math.prod(pool) <= 256)
@@ -106,7 +108,7 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
     lean_norm = lean_batchnorm_pullback(layer, trainable, arrays, kwargs or {}) if normalization else None
     if lean_norm is not None:
         return lean_norm
-    if _block_max_pool(layer, arrays) and not trainable:
+    if len(arrays) == 1 and block_max_pool(layer, arrays[0].shape) and not trainable:
         pool = tuple(layer.pool_size)
 
         def make_pool(trainable, arrays):

@@ -32,16 +32,23 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["lean_batchnorm_pullback"]
+__all__ = ["lean_batchnorm_pullback", "lean_layer"]
+
+
+def lean_layer(layer, dtype) -> bool:
+    """Keras' own BatchNormalization, no renorm, not synchronised, on inputs of ``dtype`` that Keras computes in
+    (a float of at most 32 bits): what the lean backward needs of the layer, whatever the call (also what the
+    planner's ``JaxFacts.host_bytes`` counts such a call's host copy by)."""
+    return (type(layer) is keras.layers.BatchNormalization and not layer.renorm and not layer.synchronized
+            and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize <= 4)
 
 
 def _eligible(layer, arrays, kwargs) -> bool:
-    if type(layer) is not keras.layers.BatchNormalization or len(arrays) != 1:
+    """``lean_layer``, called in training with batch statistics (trainable), on one unmasked input."""
+    if len(arrays) != 1 or not lean_layer(layer, arrays[0].dtype):
         return False
-    x = arrays[0]
-    return (kwargs.get("training") is True and layer.trainable and not layer.renorm and not layer.synchronized
-            and kwargs.get("mask") is None and x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
-            and jnp.dtype(x.dtype).itemsize <= 4)
+    return (kwargs.get("training") is True and layer.trainable and kwargs.get("mask") is None
+            and arrays[0].ndim >= 2)
 
 
 def _grads(spec, x, scale, cotangent):

@@ -28,8 +28,8 @@ compiled program's host temporaries within 1%.
 
 from __future__ import annotations
 
-import keras
-
+from keras_lms.offload.jax.lean import block_max_pool
+from keras_lms.offload.jax.lean_norm import lean_layer
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.plan import tensor_bytes
 
@@ -43,12 +43,12 @@ class JaxFacts(BackendFacts):
     def host_bytes(self, call, offloaded_bytes: int, batch_size: int = 1, lean_normalization: bool = True,
                    min_bytes: int = 0) -> int:
         unit, elements = call.unit, offloaded_bytes // max(1, tensor_bytes((), call.dtypes[0]))
-        if _relu(unit):
+        if layer_facts.standalone_activation(unit) == "relu":
             sent = elements  # the mask (bool)
-        elif _block_max_pool(unit) and call.output_shapes:
+        elif len(call.shapes) == 1 and block_max_pool(unit, call.shapes[0]) and call.output_shapes:
             sent = tensor_bytes(call.output_shapes[0], "uint8", batch_size)  # the argmax index per window (lean)
-        elif type(unit).__name__ == "BatchNormalization":
-            lean = lean_normalization and tensor_bytes((), call.dtypes[0]) <= 4
+        elif layer_facts.is_keras_class(unit, {"BatchNormalization"}):
+            lean = lean_normalization and lean_layer(unit, call.dtypes[0])
             sent = offloaded_bytes if lean else 2 * elements * 4  # (the input; else two float32 residuals)
         else:
             return offloaded_bytes
@@ -61,20 +61,6 @@ class JaxFacts(BackendFacts):
         if layer_facts.is_keras_class(unit, layer_facts.NORMALIZATION_LAYERS):
             return 0  # fused by XLA (module docstring)
         return super().backward_temporaries(unit, recomputed, lean)
-
-
-def _block_max_pool(unit) -> bool:
-    """A max pooling whose windows tile its input (``lean``'s argmax-index backward)."""
-    return (isinstance(unit, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D))
-            and tuple(unit.pool_size) == tuple(unit.strides) and unit.padding == "valid"
-            and unit.data_format == "channels_last")
-
-
-def _relu(unit) -> bool:
-    """A plain ReLU (``keras.layers.ReLU()`` or ``Activation("relu")``), which JAX differentiates from a mask."""
-    if isinstance(unit, keras.layers.ReLU):
-        return unit.max_value is None and not unit.negative_slope and not unit.threshold
-    return isinstance(unit, keras.layers.Activation) and unit.activation is keras.activations.relu
 
 
 def channels_last_native_convolution(call) -> bool:
