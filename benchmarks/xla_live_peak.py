@@ -25,7 +25,7 @@ from rich.table import Table
 
 GIB = float(1 << 30)
 _ALLOCATION = re.compile(r"allocation (\d+): size (\d+)(.*)")
-_VALUE = re.compile(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+_VALUE = re.compile(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _INSTRUCTION = re.compile(r"\s+(\d+):(\S+)")
 _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)")
 
@@ -39,17 +39,22 @@ def _one(folder: pathlib.Path, module: str, suffix: str) -> pathlib.Path:
 
 
 def device_buffers(assignment: pathlib.Path) -> dict:
-    """Value name -> (bytes, shape) for every value in a device allocation (color 0, not memory space S(5))."""
-    buffers, color = {}, 0
+    """Value name -> (bytes, shape, slot) for every value in a device allocation (color 0, not memory space S(5)).
+
+    ``slot`` is ``(allocation, offset)``: values that share one are the same memory at different times, and one of
+    them may be defined by the instruction that last reads another (an in-place update: a dynamic-update-slice
+    writes into its operand's buffer), so their live ranges touch without the memory being there twice.
+    """
+    buffers, color, allocation = {}, 0, None
     for line in assignment.read_text().splitlines():
         match = _ALLOCATION.match(line)
         if match:
             found = re.search(r"color (\d+)", match.group(3))
-            color = int(found.group(1)) if found else 0
+            color, allocation = (int(found.group(1)) if found else 0), int(match.group(1))
             continue
         match = _VALUE.match(line)
-        if match and color == 0 and ":S(5)" not in match.group(3):
-            buffers[match.group(1)] = (int(match.group(2)), match.group(3))
+        if match and color == 0 and ":S(5)" not in match.group(4):
+            buffers[match.group(1)] = (int(match.group(2)), match.group(4), (allocation, int(match.group(3))))
     return buffers
 
 
@@ -72,21 +77,28 @@ def live_ranges(dump: pathlib.Path) -> tuple:
 
 
 def device_peak(buffers: dict, sequence: dict, ranges: dict) -> tuple:
-    """(peak bytes, instruction index, [(bytes, name, shape, (first, last)), ...] live there, largest first)."""
+    """(peak bytes, instruction index, [(bytes, name, shape, (first, last)), ...] live there, largest first).
+
+    Memory is counted per slot (`device_buffers`): at each instruction a slot holds the largest of its values live
+    there, so an in-place update's operand and result count once.
+    """
     length = max(sequence) + 2 if sequence else 1
-    delta = [0] * (length + 1)
+    slots = {}  # slot -> [(first, last, bytes)]
     for name, (first, last) in ranges.items():
         if name in buffers:
-            delta[first] += buffers[name][0]
-            delta[last + 1] -= buffers[name][0]
-    live, peak, at = 0, 0, 0
-    for t in range(length):
-        live += delta[t]
-        if live > peak:
-            peak, at = live, t
+            slots.setdefault(buffers[name][2], []).append((first, last, buffers[name][0]))
+    live = [0] * length
+    for values in slots.values():
+        occupied = {}
+        for first, last, size in values:
+            for t in range(first, min(last, length - 1) + 1):
+                occupied[t] = max(occupied.get(t, 0), size)
+        for t, size in occupied.items():
+            live[t] += size
+    at = max(range(length), key=live.__getitem__)
     there = sorted(((buffers[n][0], n, buffers[n][1], r) for n, r in ranges.items()
                     if n in buffers and r[0] <= at <= r[1]), reverse=True)
-    return peak, at, there
+    return live[at], at, there
 
 
 def main(argv=None) -> int:

@@ -114,7 +114,8 @@ def _nbytes(value) -> int:
 def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = DEFAULT_MIN_BYTES,
                        record: list | None = None, barriers: frozenset = BARRIERS, lean: bool = True,
                        recompute_constants: bool = True, forward_call: Callable | None = None,
-                       lean_normalization: bool = True, **kwargs: Any):
+                       lean_normalization: bool = True, slab_bytes: int = 0, pullback_maker: Callable | None = None,
+                       **kwargs: Any):
     """Run ``original(*args, **kwargs)`` (the layer's call) with its large backward residuals in host memory.
 
     Args:
@@ -126,9 +127,15 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         record: when given, ``(layer.name, bytes)`` of each residual sent to host is appended to it (at trace).
         lean_normalization: a BatchNormalization with batch statistics keeps only its input and scale for its
             backward (``lean_norm``; ``LMSConfig.lean_normalization``).
+        slab_bytes: a lean backward whose operands exceed this runs over windows of rows (``row_windows``;
+            ``LMSConfig.slab_bytes``; 0: whole).
         forward_call: computes the same outputs (and state) as ``original`` from the same arguments in another way
             (a convolution in windows of rows: ``convolutions``); it runs the forward pass, and the backward is
-            ``original``'s pullback (its residuals, its gradients). Not for calls with a lean pullback.
+            ``original``'s pullback (its residuals, its gradients) unless ``pullback_maker`` is given.
+        pullback_maker: makes this call's pullback (``convolution_backward.windowed_pullback``), in place of
+            ``jax.vjp``'s or a lean rule's: ``pullback_maker(trainable, arrays)`` returns a ``jax.tree_util.Partial``
+            whose leaves are the residuals and which maps the outputs' cotangent to ``(trainable_grads,
+            array_grads)``.
         barriers, lean, recompute_constants: the parts of the mechanism, all on by default; switched off one by
             one only to measure what each does (``docs/jax_findings.md``). ``barriers`` holds any of
             ``"forward"`` (copies to host before the output is used), ``"backward"`` (residuals wait for the
@@ -146,14 +153,18 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     def call(trainable, non_trainable, arrays):
         return run(trainable, non_trainable, arrays)
 
-    lean = (lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization)
-            if lean and forward_call is None else None)
+    if pullback_maker is not None:
+        lean = pullback_maker
+    else:
+        lean = (lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization, slab_bytes)
+                if lean and forward_call is None else None)
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):
         if lean is not None:  # (layers whose call adds no loss: their pullback takes the outputs' cotangent)
-            outputs, new_non_trainable = fn(trainable, non_trainable, arrays)
             pullback = lean(trainable, arrays)
+            if forward_call is None:
+                outputs, new_non_trainable = fn(trainable, non_trainable, arrays)
         else:
             outputs, pullback, new_non_trainable = jax.vjp(
                 jax.checkpoint(lambda t, a: fn(t, non_trainable, a), policy=policy),

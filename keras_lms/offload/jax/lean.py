@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from keras import activations, layers
 
+from keras_lms.offload.jax import row_windows
 from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
 
 __all__ = ["block_max_pool", "lean_pullback_for"]
@@ -46,21 +47,31 @@ def _block_conv_transpose(layer) -> bool:
 
 
 def _grads(spec, x, kernel, bias, cotangent):
-    """(trainable gradients in ``spec``'s order, [input gradient]) of a block transposed convolution."""
-    nd, kernel_index, bias_index, count = spec
+    """(trainable gradients in ``spec``'s order, [input gradient]) of a block transposed convolution, over windows
+    of rows (`row_windows`) when ``spec`` has more than one: input row ``i`` reads cotangent rows ``k*i..k*i+k-1``
+    only. The partial kernel and bias gradients are summed in float32 (float64 for float64 operands)."""
+    nd, kernel_index, bias_index, count, windows = spec
     compute = cotangent.dtype
     k = kernel.shape[:nd]
-    blocks = [d for i, size in enumerate(x.shape[1:-1]) for d in (size, k[i])]
-    ct = cotangent.reshape(x.shape[0], *blocks, cotangent.shape[-1])
     sub_in, sub_k = _IN[:nd], _KERNEL[:nd]
     sub_ct = "n" + "".join(i + a for i, a in zip(sub_in, sub_k)) + "o"
     w = kernel.astype(compute)
-    d_kernel = jnp.einsum(f"{sub_ct},n{sub_in}c->{sub_k}oc", ct, x.astype(compute))
-    d_x = jnp.einsum(f"{sub_ct},{sub_k}oc->n{sub_in}c", ct, w)
+    total = jnp.promote_types(compute, jnp.float32)
+
+    def window(xs, cts):
+        blocks = [d for i, size in enumerate(xs.shape[1:-1]) for d in (size, k[i])]
+        ct = cts.reshape(xs.shape[0], *blocks, cts.shape[-1])
+        d_kernel = jnp.einsum(f"{sub_ct},n{sub_in}c->{sub_k}oc", ct, xs.astype(compute))
+        d_bias = jnp.sum(cts, axis=tuple(range(cts.ndim - 1)))
+        d_x = jnp.einsum(f"{sub_ct},{sub_k}oc->n{sub_in}c", ct, w)
+        return (d_kernel.astype(total), d_bias.astype(total)), d_x
+
+    (d_kernel, d_bias), d_x = row_windows.over_rows(window, [x, cotangent], [1, k[0]], x.shape[1], windows, 1,
+                                                    out=(x.shape, x.dtype, 1))
     grads = [None] * count
     grads[kernel_index] = d_kernel.astype(kernel.dtype)
     if bias_index is not None:
-        grads[bias_index] = jnp.sum(cotangent, axis=tuple(range(cotangent.ndim - 1))).astype(bias.dtype)
+        grads[bias_index] = d_bias.astype(bias.dtype)
     return grads, [d_x.astype(x.dtype)]
 
 
@@ -98,14 +109,15 @@ def _pool_grads(pool, shape, index, cotangent):
     return [], [spread.transpose(order).reshape(shape)]
 
 
-def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool = True):
+def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool = True, slab_bytes: int = 0):
     """A ``pullback_maker(trainable, arrays)`` for ``layer`` if it has a lean backward here (or, with
-    ``normalization``, for a BatchNormalization called with ``kwargs``, in ``lean_norm``), else None.
+    ``normalization``, for a BatchNormalization called with ``kwargs``, in ``lean_norm``), else None. Backward
+    rules whose operands exceed ``slab_bytes`` (``LMSConfig.slab_bytes``; 0: never) run over windows of rows.
 
     The maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (input, kernel, bias) and which,
     called with the output cotangent, returns ``(trainable_grads, [input_grad])`` like ``jax.vjp``'s pullback.
     """
-    lean_norm = lean_batchnorm_pullback(layer, trainable, arrays, kwargs or {}) if normalization else None
+    lean_norm = lean_batchnorm_pullback(layer, trainable, arrays, kwargs or {}, slab_bytes) if normalization else None
     if lean_norm is not None:
         return lean_norm
     if len(arrays) == 1 and block_max_pool(layer, arrays[0].shape) and not trainable:
@@ -123,7 +135,10 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
     bias_index = next((i for i, v in enumerate(variables) if layer.use_bias and v is layer.bias), None)
     if kernel_index is None or len(variables) != 1 + (bias_index is not None):
         return None
-    spec = (len(layer.kernel_size), kernel_index, bias_index, len(variables))
+    x = arrays[0]
+    cotangent_bytes = row_windows.nbytes(x) // x.shape[-1] * math.prod(layer.kernel_size) * layer.filters
+    windows = row_windows.window_count(row_windows.nbytes(x) + cotangent_bytes, x.shape[1], slab_bytes)
+    spec = (len(layer.kernel_size), kernel_index, bias_index, len(variables), windows)
 
     def make(trainable, arrays):
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_lms.offload.jax import row_windows
+
 __all__ = ["lean_batchnorm_pullback", "lean_layer"]
 
 
@@ -52,18 +54,38 @@ def _eligible(layer, arrays, kwargs) -> bool:
 
 
 def _grads(spec, x, scale, cotangent):
-    """(trainable gradients in ``spec``'s order, [input gradient])."""
-    axes, epsilon, scale_index, offset_index, count, dtypes = spec
-    x32 = x.astype(jnp.float32)
-    mean, variance = keras.ops.moments(x32, axes, keepdims=True)
-    inv = jax.lax.rsqrt(variance + epsilon)
-    xhat = (x32 - mean) * inv
-    dy = cotangent.astype(jnp.float32)
+    """(trainable gradients in ``spec``'s order, [input gradient]), over windows of rows (`row_windows`) when
+    ``spec`` has more than one: each pass's float32 temporaries are a window's."""
+    axes, epsilon, scale_index, offset_index, count, dtypes, windows = spec
     n = math.prod(x.shape[a] for a in axes)
-    d_offset = jnp.sum(dy, axis=axes, keepdims=True)
-    d_scale = jnp.sum(dy * xhat, axis=axes, keepdims=True)
+    axis = row_windows.row_axis(x.ndim, [a for a in range(x.ndim) if a not in axes])
+    rows = x.shape[axis] if axis is not None else 1
+    keep = dict(axis=axes, keepdims=True)
+
+    def f32(t):
+        return t.astype(jnp.float32)
+
+    # the statistics as Keras computes them (``keras.ops.moments``: the mean, then the mean squared deviation)
+    (total,), _ = row_windows.over_rows(lambda xs: ((jnp.sum(f32(xs), **keep),), None), [x], [1], rows, windows,
+                                        axis)
+    mean = total / n
+
+    def deviation_sums(xs, dys):
+        centred, dy = f32(xs) - mean, f32(dys)
+        return (jnp.sum(centred * centred, **keep), jnp.sum(dy, **keep), jnp.sum(dy * centred, **keep)), None
+
+    (squares, d_offset, d_centred), _ = row_windows.over_rows(deviation_sums, [x, cotangent], [1, 1], rows,
+                                                              windows, axis)
+    inv = jax.lax.rsqrt(squares / n + epsilon)
+    d_scale = d_centred * inv
     g = inv if scale is None else inv * scale.astype(jnp.float32).reshape(mean.shape)
-    dx = g * (dy - d_offset / n - xhat * (d_scale / n))
+
+    def input_rows(xs, dys):
+        xhat = (f32(xs) - mean) * inv
+        return (), g * (f32(dys) - d_offset / n - xhat * (d_scale / n))
+
+    _, dx = row_windows.over_rows(input_rows, [x, cotangent], [1, 1], rows, windows, axis,
+                                  out=(x.shape, x.dtype, 1))
     grads = [None] * count
     if scale_index is not None:
         grads[scale_index] = d_scale.reshape(-1).astype(dtypes[scale_index])
@@ -72,9 +94,11 @@ def _grads(spec, x, scale, cotangent):
     return grads, [dx.astype(x.dtype)]
 
 
-def lean_batchnorm_pullback(layer, trainable, arrays, kwargs):
+def lean_batchnorm_pullback(layer, trainable, arrays, kwargs, slab_bytes: int = 0):
     """A ``pullback_maker(trainable, arrays)`` for an eligible BatchNormalization call (module docstring), else
-    None; the maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (the input, the scale)."""
+    None; the maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (the input, the scale).
+    An input larger than ``slab_bytes`` (``LMSConfig.slab_bytes``; 0: never) is differentiated in windows of
+    rows."""
     if not _eligible(layer, arrays, kwargs):
         return None
     variables = list(layer.trainable_variables)
@@ -84,8 +108,11 @@ def lean_batchnorm_pullback(layer, trainable, arrays, kwargs):
         return None
     ndim = arrays[0].ndim
     axes = tuple(i for i in range(ndim) if i != layer.axis % ndim)
+    axis = row_windows.row_axis(ndim, [layer.axis])
+    windows = (row_windows.window_count(row_windows.nbytes(arrays[0]), arrays[0].shape[axis], slab_bytes)
+               if axis is not None else 1)
     spec = (axes, float(layer.epsilon), scale_index, offset_index, len(variables),
-            [jnp.dtype(v.dtype) for v in variables])
+            [jnp.dtype(v.dtype) for v in variables], windows)
 
     def make(trainable, arrays):
         scale = trainable[scale_index] if scale_index is not None else None

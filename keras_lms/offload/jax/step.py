@@ -13,6 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_lms.offload import common
+from keras_lms.offload.jax.convolution_backward import windowed_pullback
 from keras_lms.offload.jax.convolutions import ConcatenatedInputs, convolution_call, window_count
 from keras_lms.offload.jax.devices import validate_host_device
 from keras_lms.offload.jax.host_residuals import host_residual_call
@@ -40,16 +41,18 @@ class StepContext(common.InterceptingContext):
             outputs = original(*args, **kwargs)
             self.concatenations.note(unit, args, outputs)
             return outputs
-        own, forward = original, None
+        own, forward, pullback = original, None, None
         parts = self.concatenations.parts_of(unit, args, kwargs)
         if parts is not None:  # a convolution over a concatenation: its parts, never the concatenation
             original, args = convolution_call(unit, own, len(parts)), tuple(parts)
         windows = window_count(unit, args, self.config.slab_bytes) if not kwargs else 1
-        if windows > 1:  # a large convolution's forward in windows of rows (its backward whole)
+        if windows > 1:  # a large convolution's forward and backward in windows of rows
             forward = convolution_call(unit, own, len(args), windows)
+            pullback = windowed_pullback(unit, len(args), windows)
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
         outputs = host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, forward_call=forward,
-                                     lean_normalization=self.config.lean_normalization, **kwargs)
+                                     lean_normalization=self.config.lean_normalization,
+                                     slab_bytes=self.config.slab_bytes, pullback_maker=pullback, **kwargs)
         self.concatenations.note(unit, args, outputs)
         return outputs

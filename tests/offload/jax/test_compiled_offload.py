@@ -174,3 +174,35 @@ def test_large_convolutions_run_forward_in_windows_and_over_the_concatenations_p
     assert rewritten.temp_bytes < 0.95 * control.temp_bytes, (rewritten.temp_bytes / 2**20, control.temp_bytes / 2**20)
     assert abs(rewritten.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
     assert updates > control_updates + 8, (updates, control_updates)
+
+
+def test_lean_backwards_of_large_tensors_run_in_windows_of_rows(h100, monkeypatch):
+    """``offload/jax/row_windows.py`` in the compiled program: the 3D U-Net 2x96^3 under mixed_float16 wrapped
+    with ``slab_bytes="32MiB"`` differentiates its large BatchNormalizations and block transposed convolutions a
+    window of rows at a time (more dynamic-update-slices in the HLO), and the device temp falls by more than 3%
+    (measured 242.6 -> 227.5 MiB; float32 510.9 -> 457.0) with the same host bytes. Control: every rule in one
+    window, the step without them."""
+    from keras_lms.offload.jax import row_windows
+
+    whole_rules = row_windows.window_count
+
+    def compiled(windowed: bool):
+        monkeypatch.setattr(row_windows, "window_count", whole_rules if windowed else (lambda *_: 1))
+        keras.utils.set_random_seed(0)
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
+            model.compile(optimizer="adam", loss="mse")
+            x = np.zeros((2, 96, 96, 96, 1), "float32")
+            adapter.build_compiled_metrics(model, (x, x))
+            model.optimizer.build(model.trainable_variables)
+            info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
+        finally:
+            keras.config.set_dtype_policy(previous)
+        return info, program.as_text().count("dynamic-update-slice")
+
+    (control, control_updates), (windowed, updates) = compiled(False), compiled(True)
+    assert windowed.temp_bytes < 0.97 * control.temp_bytes, (windowed.temp_bytes / 2**20, control.temp_bytes / 2**20)
+    assert abs(windowed.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
+    assert updates > control_updates + 8, (updates, control_updates)

@@ -1,5 +1,6 @@
 """Offloaded convolutions on the JAX back end computed over a concatenation's parts and, when their input is larger
-than ``slab_bytes``, forward in windows of rows (``keras_lms/offload/jax/convolutions.py``): the same step as the
+than ``slab_bytes``, forward and backward in windows of rows (``keras_lms/offload/jax/convolutions.py``,
+``convolution_backward.py``): the same step as the
 plain model (float64 to rounding; mixed_float16 within the zoo's tolerance), with a spy that the rewrites ran
 and the control that they do not when switched off. What they do to memory is checked in the compiled H100
 program (test_compiled_offload.py)."""
@@ -15,7 +16,7 @@ import numpy as np  # noqa: E402
 
 import keras_lms  # noqa: E402
 from benchmarks.models import unet  # noqa: E402
-from keras_lms.offload.jax import convolutions  # noqa: E402
+from keras_lms.offload.jax import convolution_backward, convolutions  # noqa: E402
 from tests.oracle import assert_matches  # noqa: E402
 
 pytestmark = pytest.mark.jax
@@ -25,9 +26,17 @@ L = keras.layers
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the convolutions computed over parts and the windows the forwards ran in."""
-    seen = {"parts": 0, "windows": 0}
+    """Counts the convolutions computed over parts, the windows the forwards ran in and the backwards run in
+    windows."""
+    seen = {"parts": 0, "windows": 0, "backward": 0}
     original = convolutions._convolve
+    backward = convolution_backward._grads
+
+    def counting_backward(spec, *args):
+        seen["backward"] += 1
+        return backward(spec, *args)
+
+    monkeypatch.setattr(convolution_backward, "_grads", counting_backward)
 
     def counting(layer, op, inputs, kernel, windows):
         seen["parts"] += len(inputs) > 1
@@ -71,7 +80,7 @@ def test_float64_step_is_the_plain_one(build, spy):
     finally:
         jax.config.update("jax_enable_x64", previous)
         keras.config.set_dtype_policy(policy)
-    assert spy["parts"] >= 2 and spy["windows"] >= 8, spy
+    assert spy["parts"] >= 2 and spy["windows"] >= 8 and spy["backward"] >= 2, spy
 
 
 def test_switched_off_nothing_is_rewritten(spy, monkeypatch):
@@ -81,7 +90,7 @@ def test_switched_off_nothing_is_rewritten(spy, monkeypatch):
     model = _dilated_model("float32")
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="1KiB")
     assert_matches(model, wrapped, np.random.default_rng(0).random((2, 12, 10, 2)).astype("float32"), tol=1e-5)
-    assert spy == {"parts": 0, "windows": 0}
+    assert spy == {"parts": 0, "windows": 0, "backward": 0}
 
 
 def test_mixed_float16_matches_the_plain_step(spy):
@@ -97,7 +106,7 @@ def test_mixed_float16_matches_the_plain_step(spy):
                        tol=2e-2)
     finally:
         keras.config.set_dtype_policy(previous)
-    assert spy["parts"] >= 2 and spy["windows"] >= 8, spy
+    assert spy["parts"] >= 2 and spy["windows"] >= 8 and spy["backward"] >= 2, spy
 
 
 def test_only_linear_same_stride_one_convolutions_are_windowed():

@@ -1,0 +1,97 @@
+"""The backward of a large convolution in windows of rows (JAX back end).
+
+A convolution whose forward runs in windows (``convolutions``: stride 1, "same", odd kernels, a linear
+activation, inputs larger than ``slab_bytes``) had its backward whole: in the program XLA compiles for a GPU its
+inputs (brought back from host), its output gradient and a channels-first copy of an input, each full-size. At
+the 3D U-Net's 416^3 float32 cube that was the decoder's first convolution (both of its concatenation's parts,
+4.29 GiB each, the output gradient and a transposed part: 17.77 GiB). Here the backward runs in two passes over
+windows of rows (``row_windows.over_rows``), each window cut only once the previous one is done:
+
+* the kernel (and bias) gradient: a sum over windows of the kernel-transpose of the window's convolution, read
+  from the input rows widened by the kernel's halo and the window's output-gradient rows;
+* then the input gradient, written window by window: input rows ``a..b`` read the output-gradient rows widened
+  by the halo (the transpose of the window's convolution in its input).
+
+So the inputs are last read by the first pass, and only one window's layout copies exist at a time. The gradients
+equal JAX's up to the order of float additions (float64: 1e-12, tests/offload/jax/test_convolutions.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_lms.offload.jax import row_windows
+
+__all__ = ["WINDOWED", "windowed_pullback"]
+
+WINDOWED = True  # False: the windowed forward's backward runs whole (the control of the compiled-program tests)
+
+
+def windowed_pullback(layer, count: int, windows: int):
+    """A ``pullback_maker(trainable, arrays)`` for a windowed convolution call over ``count`` input parts (the
+    channels its kernel's input axis concatenates), or None when its variables are not a kernel and a bias."""
+    variables = list(layer.trainable_variables)
+    kernel_index = next((i for i, v in enumerate(variables) if v is layer.kernel), None)
+    bias_index = next((i for i, v in enumerate(variables) if layer.use_bias and v is layer.bias), None)
+    if not WINDOWED or kernel_index is None or len(variables) != 1 + (bias_index is not None) or windows < 2:
+        return None
+    halos = tuple(d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate))
+    spec = (halos, tuple(layer.dilation_rate), kernel_index, bias_index, len(variables), count, windows)
+
+    def make(trainable, arrays):
+        bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)
+        return jax.tree_util.Partial(functools.partial(_grads, spec), list(arrays), trainable[kernel_index], bias)
+
+    return make
+
+
+def _grads(spec, inputs, kernel, bias, cotangent):
+    """(trainable gradients in ``spec``'s order, [input gradients]) of the convolution summed over ``inputs``."""
+    halos, dilation, kernel_index, bias_index, count, parts, windows = spec
+    compute = cotangent.dtype
+    total = jnp.promote_types(compute, jnp.float32)
+    kernels, start = [], 0
+    for x in inputs:
+        kernels.append(kernel.astype(compute)[..., start:start + x.shape[-1], :])
+        start += x.shape[-1]
+    across = [(h, h) for h in halos[1:]]  # "same" padding of the other spatial axes
+    rows, h = inputs[0].shape[1], halos[0]
+
+    def convolve(x, k):
+        return keras.ops.conv(x, k, strides=1, padding="valid", dilation_rate=dilation, data_format="channels_last")
+
+    def weight_window(*slices):
+        *xs, dy = slices
+        d_kernels = []
+        for x, k in zip(xs, kernels):
+            padded = jnp.pad(x, [(0, 0), (0, 0), *across, (0, 0)])
+            (d_k,) = jax.linear_transpose(lambda kk, padded=padded: convolve(padded, kk), k)(dy)
+            d_kernels.append(d_k.astype(total))
+        return (d_kernels, jnp.sum(dy, axis=tuple(range(dy.ndim - 1))).astype(total)), None
+
+    (d_kernels, d_bias), _ = row_windows.over_rows(weight_window, [*inputs, cotangent], [1] * (parts + 1), rows,
+                                                   windows, halos=[h] * parts + [0])
+    # the input gradients only after the kernel gradient: the inputs are then dead
+    cotangent, d_kernels = jax.lax.optimization_barrier((cotangent, d_kernels))
+
+    def input_window(dy):
+        n = dy.shape[1] - 2 * h
+        pieces = []
+        for x, k in zip(inputs, kernels):
+            window = jax.ShapeDtypeStruct((x.shape[0], n, *x.shape[2:]), compute)
+            (d_x,) = jax.linear_transpose(
+                lambda xw, k=k: convolve(jnp.pad(xw, [(0, 0), (2 * h, 2 * h), *across, (0, 0)]), k), window)(dy)
+            pieces.append(d_x)
+        return (), pieces
+
+    _, d_inputs = row_windows.over_rows(input_window, [cotangent], [1], rows, windows, halos=[h],
+                                        out=[(x.shape, x.dtype, 1) for x in inputs])
+    grads = [None] * count
+    grads[kernel_index] = jnp.concatenate(d_kernels, axis=-2).astype(kernel.dtype)
+    if bias_index is not None:
+        grads[bias_index] = d_bias.astype(bias.dtype)
+    return grads, [d.astype(x.dtype) for d, x in zip(d_inputs, inputs)]

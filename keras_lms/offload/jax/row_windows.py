@@ -1,0 +1,109 @@
+"""Evaluate a backward rule a window of rows at a time, so that XLA never holds its full-size temporaries.
+
+In the program XLA compiles for a GPU, a lean backward written on whole tensors (``lean_norm``'s batch-norm
+gradient, ``lean``'s block transposed convolution) is fused into few kernels, and where its operands arrive in
+different layouts (the input copied back from host channels-last, the cotangent of a cuDNN convolution
+channels-first) XLA materialises a transposed, float32 copy of the whole tensor first. At the 3D U-Net's
+mixed_float16 cube of 496^3 that copy of ``down0_bn1``'s centred input (7.27 GiB) was the step's peak
+(docs/jax_findings.md).
+
+Both rules are sums over the rows of an axis (the batch-norm statistics, a kernel gradient) and row-local maps
+(an input gradient's rows read only the matching rows of the cotangent). `over_rows` evaluates them a window of
+rows at a time: each window's slices are cut only once the previous window's partial sum or written rows exist
+(``lax.optimization_barrier``), and the mapped rows are written in place into one output buffer
+(``lax.dynamic_update_slice``), so only one window's temporaries exist at a time. The result equals the whole-tensor
+rule up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["bounds", "nbytes", "over_rows", "row_axis", "window_count"]
+
+
+def window_count(nbytes: int, rows: int, slab_bytes: int) -> int:
+    """How many windows a rule over ``rows`` rows of ``nbytes`` runs in: ``nbytes / slab_bytes`` (1: whole)."""
+    if not slab_bytes or nbytes <= slab_bytes or rows < 2:
+        return 1
+    return max(1, min(rows, -(-nbytes // slab_bytes)))
+
+
+def bounds(rows: int, windows: int) -> list:
+    """``windows`` contiguous ``(start, stop)`` row ranges covering ``rows``, of near-equal length."""
+    return [(rows * i // windows, rows * (i + 1) // windows) for i in range(windows)]
+
+
+def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, windows: int, axis: int = 1,
+              out=None, halos: Sequence[int] | None = None):
+    """Evaluate ``fn`` over windows of rows and combine: ``(sum of its partial sums, its rows assembled)``.
+
+    Args:
+        fn: ``fn(*slices) -> (partial_sums, piece)``; ``slices`` are ``arrays`` cut to one window's rows along
+            ``axis``; ``partial_sums`` a pytree summed over the windows; ``piece`` the window's rows of the
+            assembled result (a list of pieces when ``out`` is a list; None when ``out`` is None).
+        arrays: the tensors sliced; array ``i`` has ``scales[i]`` rows per row of the window (a block transposed
+            convolution's cotangent has ``k`` rows per input row).
+        rows: rows of scale 1 along ``axis``.
+        windows: how many windows (`window_count`); 1 evaluates ``fn`` on the whole arrays (widened by their
+            halos).
+        out: ``(shape, dtype, scale)`` of the assembled result, a list of them, or None.
+        halos: rows array ``i``'s slices extend beyond the window on each side (a convolution's halo), zero
+            beyond the array's edges; None: none.
+
+    Returns:
+        ``(sums, assembled)``: ``sums`` the partial sums added up (in their dtype), ``assembled`` the result's rows
+        written window by window (a list for a list ``out``; None without ``out``).
+    """
+    arrays = tuple(arrays)
+    halos = tuple(halos) if halos is not None else (0,) * len(arrays)
+    outs = out if isinstance(out, list) else ([] if out is None else [out])
+
+    def cut(start, stop):
+        return [_rows(x, start * s, stop * s, h, axis) for x, s, h in zip(arrays, scales, halos)]
+
+    if windows <= 1:
+        return fn(*cut(0, rows))
+    buffers = []
+    if outs:
+        # The output buffers are made once the operands exist as the windows read them (XLA would otherwise
+        # allocate them first, beside an operand and that operand's copy in another layout).
+        arrays, zero = jax.lax.optimization_barrier((arrays, jnp.zeros((), jnp.float32)))
+        buffers = [jnp.broadcast_to(zero.astype(dtype), shape) for shape, dtype, _ in outs]
+    total = None
+    for i, (start, stop) in enumerate(bounds(rows, windows)):
+        if i:  # this window's slices are cut once the previous window's sum and rows exist
+            arrays, total, buffers = jax.lax.optimization_barrier((arrays, total, buffers))
+        partial, pieces = fn(*cut(start, stop))
+        total = partial if total is None else jax.tree.map(jnp.add, total, partial)
+        pieces = pieces if isinstance(out, list) else [pieces]
+        buffers = [jax.lax.dynamic_update_slice_in_dim(b, p.astype(b.dtype), start * o[2], axis)
+                   for b, p, o in zip(buffers, pieces, outs)]
+    return total, (buffers if isinstance(out, list) else (buffers[0] if buffers else None))
+
+
+def _rows(x, start: int, stop: int, halo: int, axis: int):
+    """Rows ``start - halo .. stop + halo`` of ``x`` along ``axis``, zero beyond its edges."""
+    length = x.shape[axis]
+    lo, hi = start - halo, stop + halo
+    if (lo, hi) == (0, length):
+        return x
+    piece = jax.lax.slice_in_dim(x, max(lo, 0), min(hi, length), axis=axis)
+    if lo >= 0 and hi <= length:
+        return piece
+    padding = [(0, 0)] * x.ndim
+    padding[axis] = (max(0, -lo), max(0, hi - length))
+    return jnp.pad(piece, padding)
+
+
+def row_axis(ndim: int, excluded: Sequence[int]) -> int | None:
+    """The first axis after the batch axis not in ``excluded`` (the channel axis): the axis windows cut."""
+    return next((a for a in range(1, ndim) if a not in {e % ndim for e in excluded}), None)
+
+
+def nbytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
