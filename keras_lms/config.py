@@ -143,9 +143,9 @@ class LMSConfig:
             concatenated tensors without building the concatenation. Bytes or a size string; `0` turns slabs
             off. The input gradient is exact; weight gradients and batch statistics are sums over slabs (equal
             up to summation order; docs/design.md, "Slabs"). On JAX such convolutions (with a linear activation)
-            run their forward in windows of rows and their backward whole, and the backwards of BatchNormalization
-            (lean) and of transposed convolutions with kernel == strides run in windows of rows (XLA compiles the
-            step; docs/design.md, "The JAX back end"). Defaults to `256 << 20` (256 MiB).
+            run forward and backward in windows of rows, and so do the backwards of BatchNormalization (lean) and
+            transposed convolutions with kernel == strides (and the latter's forward) (XLA compiles the step;
+            docs/design.md, "The JAX back end"). Defaults to `256 << 20` (256 MiB).
         device_profile: `None`, a built-in device profile's name (`"h100-pcie5"`, `"h200-pcie5"`, `"gh200"`,
             `"a100-pcie4"`), a profile JSON file (`keras-lms calibrate` writes one) or a
             `keras_lms.DeviceProfile`. The planner then decides, per tensor the back end can recompute

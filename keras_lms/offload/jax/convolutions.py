@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_lms import _keras_adapter as adapter
+from keras_lms.offload.jax import lean, row_windows
 
 SPLIT_PARTS = True  # False: a convolution reads the concatenation (the control of the compiled-program tests)
 WINDOWED = True  # False: every forward runs whole (the control)
@@ -86,6 +87,30 @@ def window_count(layer, inputs, slab_bytes: int) -> int:
     nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in inputs)
     rows = inputs[0].shape[1]
     return max(1, min(rows, -(-nbytes // slab_bytes))) if len(inputs[0].shape) >= 3 else 1
+
+
+def transposed_window_count(layer, inputs, slab_bytes: int) -> int:
+    """How many windows of rows a block transposed convolution's forward runs in (kernel == strides: input row
+    ``i`` makes output rows ``k*i .. k*i+k-1`` alone): its input and output bytes over ``slab_bytes``."""
+    if not (WINDOWED and slab_bytes and len(inputs) == 1 and lean.block_conv_transpose(layer)):
+        return 1
+    x = inputs[0]
+    output_bytes = row_windows.nbytes(x) // x.shape[-1] * math.prod(layer.kernel_size) * layer.filters
+    return row_windows.window_count(row_windows.nbytes(x) + output_bytes, x.shape[1], slab_bytes)
+
+
+def block_transpose_call(layer, original, windows: int):
+    """``original`` (a block transposed convolution's own call) a window of input rows at a time, each window's
+    output rows written in place into one output buffer. XLA computes the whole call as a cuDNN
+    backward-input convolution and adds the bias into a second output-sized buffer: two 4.81 GiB buffers beside
+    the skip at the 3D U-Net's 432^3 float32 cube (docs/jax_findings.md)."""
+    def call(x):
+        shape = tuple(layer.compute_output_shape(x.shape))
+        _, out = row_windows.over_rows(lambda rows: ((), original(rows)), [x], [1], x.shape[1], windows,
+                                       out=(shape, x.dtype, layer.strides[0]))
+        return out
+
+    return call
 
 
 def convolution_call(layer, original, count: int, windows: int = 1):

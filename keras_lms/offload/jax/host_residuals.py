@@ -131,7 +131,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
             ``LMSConfig.slab_bytes``; 0: whole).
         forward_call: computes the same outputs (and state) as ``original`` from the same arguments in another way
             (a convolution in windows of rows: ``convolutions``); it runs the forward pass, and the backward is
-            ``original``'s pullback (its residuals, its gradients) unless ``pullback_maker`` is given.
+            ``original``'s pullback (its residuals, its gradients), its lean rule's (``lean``) or ``pullback_maker``'s.
         pullback_maker: makes this call's pullback (``convolution_backward.windowed_pullback``), in place of
             ``jax.vjp``'s or a lean rule's: ``pullback_maker(trainable, arrays)`` returns a ``jax.tree_util.Partial``
             whose leaves are the residuals and which maps the outputs' cotangent to ``(trainable_grads,
@@ -156,8 +156,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     if pullback_maker is not None:
         lean = pullback_maker
     else:
-        lean = (lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization, slab_bytes)
-                if lean and forward_call is None else None)
+        lean = lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization, slab_bytes) if lean else None
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
 
     def forward(trainable, non_trainable, arrays):

@@ -31,12 +31,12 @@ from keras import activations, layers
 from keras_lms.offload.jax import row_windows
 from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
 
-__all__ = ["block_max_pool", "lean_pullback_for"]
+__all__ = ["block_conv_transpose", "block_max_pool", "lean_pullback_for"]
 
 _IN, _KERNEL = "pqr", "abe"
 
 
-def _block_conv_transpose(layer) -> bool:
+def block_conv_transpose(layer) -> bool:
     """``layer`` is a channels-last transposed convolution with kernel == strides, no dilation, no
     output padding and a linear activation (the gradient below is exact for those)."""
     if not isinstance(layer, (layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv3DTranspose)):
@@ -128,7 +128,7 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
             return jax.tree_util.Partial(functools.partial(_pool_grads, pool, arrays[0].shape), index)
 
         return make_pool
-    if not _block_conv_transpose(layer) or len(arrays) != 1:
+    if not block_conv_transpose(layer) or len(arrays) != 1:
         return None
     variables = list(layer.trainable_variables)
     kernel_index = next((i for i, v in enumerate(variables) if v is layer.kernel), None)

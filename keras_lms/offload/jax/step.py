@@ -13,6 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_lms.offload import common
+from keras_lms.offload.jax import convolutions
 from keras_lms.offload.jax.convolution_backward import windowed_pullback
 from keras_lms.offload.jax.convolutions import ConcatenatedInputs, convolution_call, window_count
 from keras_lms.offload.jax.devices import validate_host_device
@@ -49,6 +50,8 @@ class StepContext(common.InterceptingContext):
         if windows > 1:  # a large convolution's forward and backward in windows of rows
             forward = convolution_call(unit, own, len(args), windows)
             pullback = windowed_pullback(unit, len(args), windows)
+        elif not kwargs and (blocks := convolutions.transposed_window_count(unit, args, self.config.slab_bytes)) > 1:
+            forward = convolutions.block_transpose_call(unit, own, blocks)  # (its lean backward: in windows too)
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
         outputs = host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, forward_call=forward,

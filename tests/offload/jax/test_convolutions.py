@@ -26,11 +26,18 @@ L = keras.layers
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the convolutions computed over parts, the windows the forwards ran in and the backwards run in
-    windows."""
-    seen = {"parts": 0, "windows": 0, "backward": 0}
+    """Counts the convolutions computed over parts, the windows the forwards ran in, the backwards run in
+    windows and the windows of block transposed convolutions' forwards."""
+    seen = {"parts": 0, "windows": 0, "backward": 0, "transposed": 0}
     original = convolutions._convolve
     backward = convolution_backward._grads
+    block_transpose_call = convolutions.block_transpose_call
+
+    def counting_transposed(layer, call, windows):
+        seen["transposed"] += windows
+        return block_transpose_call(layer, call, windows)
+
+    monkeypatch.setattr(convolutions, "block_transpose_call", counting_transposed)
 
     def counting_backward(spec, *args):
         seen["backward"] += 1
@@ -81,6 +88,8 @@ def test_float64_step_is_the_plain_one(build, spy):
         jax.config.update("jax_enable_x64", previous)
         keras.config.set_dtype_policy(policy)
     assert spy["parts"] >= 2 and spy["windows"] >= 8 and spy["backward"] >= 2, spy
+    if build == "unet3d":  # (its up-sampling: Conv3DTranspose(k=2, strides=2) from 2x2x2 and 4x4x4 inputs)
+        assert spy["transposed"] >= 4, spy
 
 
 def test_switched_off_nothing_is_rewritten(spy, monkeypatch):
@@ -90,7 +99,7 @@ def test_switched_off_nothing_is_rewritten(spy, monkeypatch):
     model = _dilated_model("float32")
     wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="1KiB")
     assert_matches(model, wrapped, np.random.default_rng(0).random((2, 12, 10, 2)).astype("float32"), tol=1e-5)
-    assert spy == {"parts": 0, "windows": 0, "backward": 0}
+    assert spy == {"parts": 0, "windows": 0, "backward": 0, "transposed": 0}
 
 
 def test_mixed_float16_matches_the_plain_step(spy):
