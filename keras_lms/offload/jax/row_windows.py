@@ -66,8 +66,8 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
     def cut(start, stop):
         return [_rows(x, start * s, stop * s, h, axis) for x, s, h in zip(arrays, scales, halos)]
 
-    if windows <= 1:
-        return fn(*cut(0, rows))
+    if windows <= 1:  # (``axis`` may then be None: a tensor with no row axis)
+        return fn(*(cut(0, rows) if any(halos) else arrays))
     buffers = []
     if outs:
         # The output buffers are made once the operands exist as the windows read them (XLA would otherwise

@@ -52,6 +52,14 @@ def test_over_rows_equals_the_whole_evaluation(x64, windows):
         _rule, [a, b], [1, 2], 7, 1, out=(a.shape, a.dtype, 1)))(a, b))
 
 
+def test_one_window_is_the_rule_on_the_whole_arrays_even_without_a_row_axis():
+    """A BatchNorm over (batch, features) has no row axis (``row_axis`` None) and runs in one window: the rule
+    on the arrays as they are (the regression: cutting them along axis None raised a TypeError)."""
+    x = jnp.arange(6.0).reshape(2, 3)
+    sums, rows = row_windows.over_rows(lambda a: ((jnp.sum(a),), a * 2), [x], [1], 1, 1, None)
+    assert float(sums[0]) == 15.0 and np.array_equal(np.asarray(rows), np.asarray(x) * 2)
+
+
 def test_window_count_and_bounds():
     assert row_windows.window_count(1000, 10, 0) == 1 and row_windows.window_count(1000, 10, 1000) == 1
     assert row_windows.window_count(1001, 10, 1000) == 2 and row_windows.window_count(10 ** 9, 10, 1) == 10
