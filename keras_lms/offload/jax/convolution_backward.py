@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_lms.offload.jax import row_windows
+from keras_lms.offload.jax.lean import kernel_and_bias
 
 __all__ = ["WINDOWED", "windowed_pullback"]
 
@@ -34,13 +35,13 @@ WINDOWED = True  # False: the windowed forward's backward runs whole (the contro
 def windowed_pullback(layer, count: int, windows: int):
     """A ``pullback_maker(trainable, arrays)`` for a windowed convolution call over ``count`` input parts (the
     channels its kernel's input axis concatenates), or None when its variables are not a kernel and a bias."""
-    variables = list(layer.trainable_variables)
-    kernel_index = next((i for i, v in enumerate(variables) if v is layer.kernel), None)
-    bias_index = next((i for i, v in enumerate(variables) if layer.use_bias and v is layer.bias), None)
-    if not WINDOWED or kernel_index is None or len(variables) != 1 + (bias_index is not None) or windows < 2:
+    indices = kernel_and_bias(layer)
+    if not WINDOWED or indices is None or windows < 2:
         return None
+    kernel_index, bias_index = indices
     halos = tuple(d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate))
-    spec = (halos, tuple(layer.dilation_rate), kernel_index, bias_index, len(variables), count, windows)
+    spec = (halos, tuple(layer.dilation_rate), kernel_index, bias_index, len(layer.trainable_variables), count,
+            windows)
 
     def make(trainable, arrays):
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)
@@ -62,15 +63,16 @@ def _channels_first(x):
     return jnp.moveaxis(x, -1, 1) if _stored_channels_first(x) else x
 
 
-def _channels_last(x, stored_first: bool):
-    return jnp.moveaxis(x, 1, -1) if stored_first else x
+def _channels_last(x):
+    """The inverse of `_channels_first` (a stored array has the input's rank and dtype)."""
+    return jnp.moveaxis(x, 1, -1) if _stored_channels_first(x) else x
 
 
 def _grads(spec, stored, kernel, bias, cotangent):
     """(trainable gradients in ``spec``'s order, [input gradients]) of the convolution summed over its inputs
     (``stored`` as `_channels_first` stored them)."""
     halos, dilation, kernel_index, bias_index, count, parts, windows = spec
-    inputs = [_channels_last(x, _stored_channels_first(x)) for x in stored]
+    inputs = [_channels_last(x) for x in stored]
     compute = cotangent.dtype
     total = jnp.promote_types(compute, jnp.float32)
     kernels, start = [], 0

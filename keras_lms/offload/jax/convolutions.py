@@ -28,8 +28,6 @@ kernels and a linear activation (the pullback of an activated call would keep it
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import keras
@@ -82,11 +80,9 @@ class ConcatenatedInputs:
 
 def window_count(layer, inputs, slab_bytes: int) -> int:
     """How many windows of rows the call's forward runs in: its inputs' bytes over ``slab_bytes`` (1: whole)."""
-    if not (WINDOWED and slab_bytes and _windowable(layer)):
+    if not (WINDOWED and slab_bytes and _windowable(layer)) or len(inputs[0].shape) < 3:
         return 1
-    nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in inputs)
-    rows = inputs[0].shape[1]
-    return max(1, min(rows, -(-nbytes // slab_bytes))) if len(inputs[0].shape) >= 3 else 1
+    return row_windows.window_count(sum(row_windows.nbytes(x) for x in inputs), inputs[0].shape[1], slab_bytes)
 
 
 def transposed_window_count(layer, inputs, slab_bytes: int) -> int:
@@ -94,9 +90,7 @@ def transposed_window_count(layer, inputs, slab_bytes: int) -> int:
     ``i`` makes output rows ``k*i .. k*i+k-1`` alone): its input and output bytes over ``slab_bytes``."""
     if not (WINDOWED and slab_bytes and len(inputs) == 1 and lean.block_conv_transpose(layer)):
         return 1
-    x = inputs[0]
-    output_bytes = row_windows.nbytes(x) // x.shape[-1] * math.prod(layer.kernel_size) * layer.filters
-    return row_windows.window_count(row_windows.nbytes(x) + output_bytes, x.shape[1], slab_bytes)
+    return lean.block_transpose_windows(layer, inputs[0], slab_bytes)
 
 
 def block_transpose_call(layer, original, windows: int):

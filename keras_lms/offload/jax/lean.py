@@ -31,7 +31,7 @@ from keras import activations, layers
 from keras_lms.offload.jax import row_windows
 from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
 
-__all__ = ["block_conv_transpose", "block_max_pool", "lean_pullback_for"]
+__all__ = ["block_conv_transpose", "block_max_pool", "block_transpose_windows", "kernel_and_bias", "lean_pullback_for"]
 
 _IN, _KERNEL = "pqr", "abe"
 
@@ -44,6 +44,24 @@ def block_conv_transpose(layer) -> bool:
     return (layer.data_format == "channels_last" and tuple(layer.kernel_size) == tuple(layer.strides)
             and all(d == 1 for d in layer.dilation_rate) and layer.output_padding is None
             and layer.activation in (activations.linear, None))
+
+
+def kernel_and_bias(layer):
+    """``(kernel index, bias index or None)`` in ``layer.trainable_variables``, or None when those variables are
+    not exactly a kernel and (with ``use_bias``) a bias: the gradient rules here return exactly those."""
+    variables = list(layer.trainable_variables)
+    kernel_index = next((i for i, v in enumerate(variables) if v is layer.kernel), None)
+    bias_index = next((i for i, v in enumerate(variables) if layer.use_bias and v is layer.bias), None)
+    if kernel_index is None or len(variables) != 1 + (bias_index is not None):
+        return None
+    return kernel_index, bias_index
+
+
+def block_transpose_windows(layer, x, slab_bytes: int) -> int:
+    """How many windows of rows a block transposed convolution of input ``x`` runs in (forward and backward):
+    its input and output (the cotangent) bytes over ``slab_bytes``."""
+    output_bytes = row_windows.nbytes(x) // x.shape[-1] * math.prod(layer.kernel_size) * layer.filters
+    return row_windows.window_count(row_windows.nbytes(x) + output_bytes, x.shape[1], slab_bytes)
 
 
 def _grads(spec, x, kernel, bias, cotangent):
@@ -130,15 +148,12 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
         return make_pool
     if not block_conv_transpose(layer) or len(arrays) != 1:
         return None
-    variables = list(layer.trainable_variables)
-    kernel_index = next((i for i, v in enumerate(variables) if v is layer.kernel), None)
-    bias_index = next((i for i, v in enumerate(variables) if layer.use_bias and v is layer.bias), None)
-    if kernel_index is None or len(variables) != 1 + (bias_index is not None):
+    indices = kernel_and_bias(layer)
+    if indices is None:
         return None
-    x = arrays[0]
-    cotangent_bytes = row_windows.nbytes(x) // x.shape[-1] * math.prod(layer.kernel_size) * layer.filters
-    windows = row_windows.window_count(row_windows.nbytes(x) + cotangent_bytes, x.shape[1], slab_bytes)
-    spec = (len(layer.kernel_size), kernel_index, bias_index, len(variables), windows)
+    kernel_index, bias_index = indices
+    windows = block_transpose_windows(layer, arrays[0], slab_bytes)
+    spec = (len(layer.kernel_size), kernel_index, bias_index, len(layer.trainable_variables), windows)
 
     def make(trainable, arrays):
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)

@@ -34,7 +34,7 @@ import keras
 
 from keras_lms.offload.jax import row_windows
 
-__all__ = ["lean_batchnorm_pullback", "lean_layer"]
+__all__ = ["lean_batchnorm_pullback", "lean_layer", "normalization_windows"]
 
 
 def lean_layer(layer, dtype) -> bool:
@@ -94,6 +94,13 @@ def _grads(spec, x, scale, cotangent):
     return grads, [dx.astype(x.dtype)]
 
 
+def normalization_windows(layer, x, slab_bytes: int) -> int:
+    """How many windows of rows the lean backward of ``layer`` on input ``x`` runs in: its bytes over
+    ``slab_bytes``, along the first axis after the batch's that is not the channels' (1: none such)."""
+    axis = row_windows.row_axis(x.ndim, [layer.axis])
+    return row_windows.window_count(row_windows.nbytes(x), x.shape[axis], slab_bytes) if axis is not None else 1
+
+
 def lean_batchnorm_pullback(layer, trainable, arrays, kwargs, slab_bytes: int = 0):
     """A ``pullback_maker(trainable, arrays)`` for an eligible BatchNormalization call (module docstring), else
     None; the maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (the input, the scale).
@@ -108,11 +115,8 @@ def lean_batchnorm_pullback(layer, trainable, arrays, kwargs, slab_bytes: int = 
         return None
     ndim = arrays[0].ndim
     axes = tuple(i for i in range(ndim) if i != layer.axis % ndim)
-    axis = row_windows.row_axis(ndim, [layer.axis])
-    windows = (row_windows.window_count(row_windows.nbytes(arrays[0]), arrays[0].shape[axis], slab_bytes)
-               if axis is not None else 1)
     spec = (axes, float(layer.epsilon), scale_index, offset_index, len(variables),
-            [jnp.dtype(v.dtype) for v in variables], windows)
+            [jnp.dtype(v.dtype) for v in variables], normalization_windows(layer, arrays[0], slab_bytes))
 
     def make(trainable, arrays):
         scale = trainable[scale_index] if scale_index is not None else None

@@ -150,6 +150,35 @@ def test_the_report_predicts_the_compiled_2d_peak_where_xla_frees_convolution_in
     assert control - compiled > 0.15 * compiled, (control / 2**20, compiled / 2**20)
 
 
+def _unet96_with_32mib_slabs(dtype_policy=None):
+    """(memory figures, dynamic-update-slices in the HLO) of the compiled step of the 3D U-Net 2x96^3 (16 filters)
+    wrapped with ``slab_bytes="32MiB"``, under ``dtype_policy`` if given: the windows' tests below, each compiling
+    it with a rewrite switched off and on."""
+    previous = keras.config.dtype_policy()
+    if dtype_policy:
+        keras.config.set_dtype_policy(dtype_policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
+        model.compile(optimizer="adam", loss="mse")
+        x = np.zeros((2, 96, 96, 96, 1), "float32")
+        adapter.build_compiled_metrics(model, (x, x))
+        model.optimizer.build(model.trainable_variables)
+        info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    return info, program.as_text().count("dynamic-update-slice")
+
+
+def _assert_less_temp_same_host_bytes_more_updates(control, control_updates, rewritten, updates, fraction):
+    """The rewrite takes the device temp below ``fraction`` of the control's, sends the same bytes to host
+    (within 1%) and writes more than 8 more windows in place."""
+    assert rewritten.temp_bytes < fraction * control.temp_bytes, (rewritten.temp_bytes / 2**20,
+                                                                   control.temp_bytes / 2**20)
+    assert abs(rewritten.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
+    assert updates > control_updates + 8, (updates, control_updates)
+
+
 def test_large_convolutions_run_forward_in_windows_and_over_the_concatenations_parts(h100, monkeypatch):
     """``offload/jax/convolutions.py`` in the compiled program: the 3D U-Net 2x96^3 (16 filters) wrapped with
     ``slab_bytes="32MiB"`` computes its level-0 convolutions' forwards in windows of rows (dynamic-update-slices in
@@ -162,19 +191,10 @@ def test_large_convolutions_run_forward_in_windows_and_over_the_concatenations_p
     def compiled(rewritten: bool):
         monkeypatch.setattr(convolutions, "SPLIT_PARTS", rewritten)
         monkeypatch.setattr(convolutions, "WINDOWED", rewritten)
-        keras.utils.set_random_seed(0)
-        model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
-        model.compile(optimizer="adam", loss="mse")
-        x = np.zeros((2, 96, 96, 96, 1), "float32")
-        adapter.build_compiled_metrics(model, (x, x))
-        model.optimizer.build(model.trainable_variables)
-        info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
-        return info, program.as_text().count("dynamic-update-slice")
+        return _unet96_with_32mib_slabs()
 
     (control, control_updates), (rewritten, updates) = compiled(False), compiled(True)
-    assert rewritten.temp_bytes < 0.95 * control.temp_bytes, (rewritten.temp_bytes / 2**20, control.temp_bytes / 2**20)
-    assert abs(rewritten.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
-    assert updates > control_updates + 8, (updates, control_updates)
+    _assert_less_temp_same_host_bytes_more_updates(control, control_updates, rewritten, updates, 0.95)
 
 
 def test_lean_backwards_of_large_tensors_run_in_windows_of_rows(h100, monkeypatch):
@@ -184,30 +204,17 @@ def test_lean_backwards_of_large_tensors_run_in_windows_of_rows(h100, monkeypatc
     (measured 242.6 -> 227.8 MiB; float32 510.9 -> 457.0 in session 18's first measurement, before the
     up-sampling's forward windows, which this control switches off too) with the same host bytes. Control: every
     rule in one window, the step without them."""
-    from keras_lms.offload.jax import row_windows
+    from keras_lms.offload.jax import lean, lean_norm
 
-    whole_rules = row_windows.window_count
+    rules = lean_norm.normalization_windows, lean.block_transpose_windows
 
     def compiled(windowed: bool):
-        monkeypatch.setattr(row_windows, "window_count", whole_rules if windowed else (lambda *_: 1))
-        keras.utils.set_random_seed(0)
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy("mixed_float16")
-        try:
-            model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
-            model.compile(optimizer="adam", loss="mse")
-            x = np.zeros((2, 96, 96, 96, 1), "float32")
-            adapter.build_compiled_metrics(model, (x, x))
-            model.optimizer.build(model.trainable_variables)
-            info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
-        finally:
-            keras.config.set_dtype_policy(previous)
-        return info, program.as_text().count("dynamic-update-slice")
+        monkeypatch.setattr(lean_norm, "normalization_windows", rules[0] if windowed else (lambda *_: 1))
+        monkeypatch.setattr(lean, "block_transpose_windows", rules[1] if windowed else (lambda *_: 1))
+        return _unet96_with_32mib_slabs("mixed_float16")
 
     (control, control_updates), (windowed, updates) = compiled(False), compiled(True)
-    assert windowed.temp_bytes < 0.97 * control.temp_bytes, (windowed.temp_bytes / 2**20, control.temp_bytes / 2**20)
-    assert abs(windowed.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
-    assert updates > control_updates + 8, (updates, control_updates)
+    _assert_less_temp_same_host_bytes_more_updates(control, control_updates, windowed, updates, 0.97)
 
 
 def test_large_convolutions_backwards_and_up_sampling_forwards_run_in_windows(h100, monkeypatch):
@@ -224,16 +231,7 @@ def test_large_convolutions_backwards_and_up_sampling_forwards_run_in_windows(h1
         monkeypatch.setattr(convolution_backward, "WINDOWED", windowed)
         monkeypatch.setattr(convolutions, "transposed_window_count", transposed_windows if windowed
                             else (lambda *_: 1))
-        keras.utils.set_random_seed(0)
-        model = keras_lms.wrap(unet((96, 96, 96, 1), 16), min_bytes="256KiB", keep_last=0, slab_bytes="32MiB")
-        model.compile(optimizer="adam", loss="mse")
-        x = np.zeros((2, 96, 96, 96, 1), "float32")
-        adapter.build_compiled_metrics(model, (x, x))
-        model.optimizer.build(model.trainable_variables)
-        info, program = deviceless.compile_keras_step(model, x, x, return_compiled=True)
-        return info, program.as_text().count("dynamic-update-slice")
+        return _unet96_with_32mib_slabs()
 
     (control, control_updates), (windowed, updates) = compiled(False), compiled(True)
-    assert windowed.temp_bytes < 0.95 * control.temp_bytes, (windowed.temp_bytes / 2**20, control.temp_bytes / 2**20)
-    assert abs(windowed.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
-    assert updates > control_updates + 8, (updates, control_updates)
+    _assert_less_temp_same_host_bytes_more_updates(control, control_updates, windowed, updates, 0.95)
