@@ -76,11 +76,12 @@ def live_ranges(dump: pathlib.Path) -> tuple:
     return sequence, ranges
 
 
-def device_peak(buffers: dict, sequence: dict, ranges: dict) -> tuple:
+def device_peak(buffers: dict, sequence: dict, ranges: dict, after: int = -1) -> tuple:
     """(peak bytes, instruction index, [(bytes, name, shape, (first, last)), ...] live there, largest first).
 
     Memory is counted per slot (`device_buffers`): at each instruction a slot holds the largest of its values live
-    there, so an in-place update's operand and result count once.
+    there, so an in-place update's operand and result count once. ``after``: the peak among later instructions
+    only (the backward's, once the forward's is known).
     """
     length = max(sequence) + 2 if sequence else 1
     slots = {}  # slot -> [(first, last, bytes)]
@@ -95,7 +96,7 @@ def device_peak(buffers: dict, sequence: dict, ranges: dict) -> tuple:
                 occupied[t] = max(occupied.get(t, 0), size)
         for t, size in occupied.items():
             live[t] += size
-    at = max(range(length), key=live.__getitem__)
+    at = max(range(max(0, after + 1), length), key=live.__getitem__)
     there = sorted(((buffers[n][0], n, buffers[n][1], r) for n, r in ranges.items()
                     if n in buffers and r[0] <= at <= r[1]), reverse=True)
     return live[at], at, there
@@ -106,10 +107,11 @@ def main(argv=None) -> int:
     parser.add_argument("dump", type=pathlib.Path, help="the --xla_dump_to folder")
     parser.add_argument("--module", default="jit_step", help="the jitted function's name in the dump's file names")
     parser.add_argument("--top", type=int, default=12, help="how many of the live buffers to list")
+    parser.add_argument("--after", type=int, default=-1, help="the peak after this instruction (e.g. the backward's)")
     args = parser.parse_args(argv)
     buffers = device_buffers(_one(args.dump, args.module, "buffer-assignment.txt"))
     sequence, ranges = live_ranges(_one(args.dump, args.module, "live-range.txt"))
-    peak, at, there = device_peak(buffers, sequence, ranges)
+    peak, at, there = device_peak(buffers, sequence, ranges, args.after)
     table = Table(title=f"device buffers live at instruction {at} ({sequence.get(at)}): {peak / GIB:.2f} GiB")
     for column in ("GiB", "buffer", "shape (layout)", "live from", "to"):
         table.add_column(column, justify="right" if column in ("GiB", "live from", "to") else "left")

@@ -201,6 +201,11 @@ class BackendFacts:
         """Index of a concatenation that is never built -> the slab call that reads its parts instead."""
         return {}
 
+    def parked_inputs(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
+        """Call index -> positions of its inputs that go to host right after it, for a far later reader that reads
+        them from there in windows (``PlanEntry.parked_inputs``; none here)."""
+        return {}
+
     def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
         """Bytes a slab-computed call's backward holds (only called for calls in ``slab_plans``); ``input_sizes``
         are the input gradients it assembles: the parts of a concatenation it reads in parts

@@ -92,6 +92,9 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
     entries = plan_entries(calls, decisions, facts, batch_size, config.slab_bytes, config.lean_normalization,
                            config.min_bytes)
     entries = _note_slabs(calls, entries, facts, batch_size)
+    offloaded_rows = [list(e.tensor_offloaded) for e in entries]
+    for i, positions in facts.parked_inputs(calls, offloaded_rows, batch_size, planned_slab_bytes(entries)).items():
+        entries[i].parked_inputs = sorted(positions)
     plan_sweeps(calls, entries, config, facts, batch_size)
     if config.device_profile is not None:
         _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes, recomputed)

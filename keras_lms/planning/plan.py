@@ -43,6 +43,9 @@ class PlanEntry:
             input, ``offload.tensorflow.sweeps``); None otherwise.
         sweep_windows: how many slab windows that sweep's passes cut the run into (thinner windows hold less
             device memory and recompute more halo rows; the planner chooses); None outside a sweep.
+        parked_inputs: positions of this call's inputs that go to host memory right after it, for a far later
+            reader that reads them from there a window of rows at a time (``BackendFacts.parked_inputs``: JAX's
+            U-Net skips, read by the decoder's windowed convolution); empty: none.
         prefetch: how many calls ahead the step starts copies back, where the time-aware planner chose a depth
             (with ``device_profile`` and ``device_budget``: the shortest predicted step that fits); the same on
             every entry of a plan. None: ``LMSConfig.prefetch``.
@@ -69,6 +72,7 @@ class PlanEntry:
     sweep: tuple | None = None
     sweep_windows: int | None = None
     prefetch: int | None = None
+    parked_inputs: list = dataclasses.field(default_factory=list)
 
     @property
     def decision(self) -> str:

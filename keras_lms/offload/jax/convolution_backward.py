@@ -45,9 +45,14 @@ def windowed_pullback(layer, count: int, windows: int):
 
     def make(trainable, arrays):
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)
-        stored = [_channels_first(x) for x in arrays]
-        return jax.tree_util.Partial(functools.partial(_grads, spec), stored, trainable[kernel_index], bias)
+        # a part parked in host memory (``step``) stays as it is: its gradient is assembled there too
+        parked = tuple(row_windows.on_host(x) for x in arrays)
+        first = tuple(_stored_channels_first(x) and not p for x, p in zip(arrays, parked))
+        stored = [_channels_first(x) if f else x for x, f in zip(arrays, first)]
+        return jax.tree_util.Partial(functools.partial(_grads, spec, (first, parked)), stored,
+                                     trainable[kernel_index], bias)
 
+    make.streams_host_rows = True  # its inputs are read a window of rows at a time (host_residuals)
     return make
 
 
@@ -60,27 +65,36 @@ def _stored_channels_first(x) -> bool:
 
 
 def _channels_first(x):
-    return jnp.moveaxis(x, -1, 1) if _stored_channels_first(x) else x
+    return jnp.moveaxis(x, -1, 1)
 
 
-def _channels_last(x):
-    """The inverse of `_channels_first` (a stored array has the input's rank and dtype)."""
-    return jnp.moveaxis(x, 1, -1) if _stored_channels_first(x) else x
+def _channels_last(x, first: bool):
+    """The inverse of `_channels_first` for an array (or a window of its rows) stored channels-first (``first``)."""
+    return jnp.moveaxis(x, 1, -1) if first else x
 
 
-def _grads(spec, stored, kernel, bias, cotangent):
+def _channels_last_shape(x, first: bool) -> tuple:
+    """The shape the input stored as ``x`` had (``first``: stored channels-first)."""
+    shape = tuple(x.shape)
+    return (shape[0], *shape[2:], shape[1]) if first else shape
+
+
+def _grads(spec, layout, stored, kernel, bias, cotangent):
     """(trainable gradients in ``spec``'s order, [input gradients]) of the convolution summed over its inputs
-    (``stored`` as `_channels_first` stored them)."""
+    (``stored`` as `_channels_first` stored them where ``layout``'s ``first`` says so; in host memory, streamed:
+    only a window's rows are brought back at a time, ``row_windows.over_rows``). The gradient of a part given in
+    host memory (``parked``, ``parking``) is assembled there."""
+    first, parked = layout
     halos, dilation, kernel_index, bias_index, count, parts, windows = spec
-    inputs = [_channels_last(x) for x in stored]
+    shapes = [_channels_last_shape(x, f) for x, f in zip(stored, first)]
     compute = cotangent.dtype
     total = jnp.promote_types(compute, jnp.float32)
     kernels, start = [], 0
-    for x in inputs:
-        kernels.append(kernel.astype(compute)[..., start:start + x.shape[-1], :])
-        start += x.shape[-1]
+    for shape in shapes:
+        kernels.append(kernel.astype(compute)[..., start:start + shape[-1], :])
+        start += shape[-1]
     across = [(h, h) for h in halos[1:]]  # "same" padding of the other spatial axes
-    rows, h = inputs[0].shape[1], halos[0]
+    rows, h = shapes[0][1], halos[0]
 
     def convolve(x, k):
         return keras.ops.conv(x, k, strides=1, padding="valid", dilation_rate=dilation, data_format="channels_last")
@@ -88,31 +102,32 @@ def _grads(spec, stored, kernel, bias, cotangent):
     def weight_window(*slices):
         *xs, dy = slices
         d_kernels = []
-        for x, k in zip(xs, kernels):
-            padded = jnp.pad(x, [(0, 0), (0, 0), *across, (0, 0)])
+        for x, k, f in zip(xs, kernels, first):
+            padded = jnp.pad(_channels_last(x, f), [(0, 0), (0, 0), *across, (0, 0)])
             (d_k,) = jax.linear_transpose(lambda kk, padded=padded: convolve(padded, kk), k)(dy)
             d_kernels.append(d_k.astype(total))
         return (d_kernels, jnp.sum(dy, axis=tuple(range(dy.ndim - 1))).astype(total)), None
 
-    (d_kernels, d_bias), _ = row_windows.over_rows(weight_window, [*inputs, cotangent], [1] * (parts + 1), rows,
-                                                   windows, halos=[h] * parts + [0])
+    axes = [2 if f else 1 for f in first] + [1]
+    (d_kernels, d_bias), _ = row_windows.over_rows(weight_window, [*stored, cotangent], [1] * (parts + 1), rows,
+                                                   windows, halos=[h] * parts + [0], axes=axes)
     # the input gradients only after the kernel gradient: the inputs are then dead
     cotangent, d_kernels = jax.lax.optimization_barrier((cotangent, d_kernels))
 
     def input_window(dy):
         n = dy.shape[1] - 2 * h
         pieces = []
-        for x, k in zip(inputs, kernels):
-            window = jax.ShapeDtypeStruct((x.shape[0], n, *x.shape[2:]), compute)
+        for shape, k in zip(shapes, kernels):
+            window = jax.ShapeDtypeStruct((shape[0], n, *shape[2:]), compute)
             (d_x,) = jax.linear_transpose(
                 lambda xw, k=k: convolve(jnp.pad(xw, [(0, 0), (2 * h, 2 * h), *across, (0, 0)]), k), window)(dy)
             pieces.append(d_x)
         return (), pieces
 
     _, d_inputs = row_windows.over_rows(input_window, [cotangent], [1], rows, windows, halos=[h],
-                                        out=[(x.shape, x.dtype, 1) for x in inputs])
+                                        out=[(shape, x.dtype, 1, p) for shape, x, p in zip(shapes, stored, parked)])
     grads = [None] * count
     grads[kernel_index] = jnp.concatenate(d_kernels, axis=-2).astype(kernel.dtype)
     if bias_index is not None:
         grads[bias_index] = d_bias.astype(bias.dtype)
-    return grads, [d.astype(x.dtype) for d, x in zip(d_inputs, inputs)]
+    return grads, d_inputs  # (in the inputs' dtypes: over_rows writes each window in its buffer's)

@@ -35,6 +35,7 @@ import numpy as np
 from keras import StatelessScope
 
 from keras_lms import _keras_adapter as adapter
+from keras_lms.offload.jax import row_windows
 from keras_lms.offload.jax.lean import lean_pullback_for
 
 __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "host_residual_call",
@@ -43,6 +44,7 @@ __all__ = ["OFFLOAD_NAME", "checkpoint_offload_call", "checkpoint_offloading", "
 OFFLOAD_NAME = "keras_lms_offload"
 DEFAULT_MIN_BYTES = 256 << 10
 BARRIERS = frozenset({"forward", "backward", "gradients"})
+STREAMED = True  # False: host residuals come back whole even for a windowed rule (the compiled tests' control)
 
 
 def _is_array(leaf) -> bool:
@@ -135,7 +137,8 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         pullback_maker: makes this call's pullback (``convolution_backward.windowed_pullback``), in place of
             ``jax.vjp``'s or a lean rule's: ``pullback_maker(trainable, arrays)`` returns a ``jax.tree_util.Partial``
             whose leaves are the residuals and which maps the outputs' cotangent to ``(trainable_grads,
-            array_grads)``.
+            array_grads)``. A maker (or lean rule) with ``streams_host_rows`` set reads its host residuals a window
+            of rows at a time (``row_windows.over_rows``): they are handed to it in host memory.
         barriers, lean, recompute_constants: the parts of the mechanism, all on by default; switched off one by
             one only to measure what each does (``docs/jax_findings.md``). ``barriers`` holds any of
             ``"forward"`` (copies to host before the output is used), ``"backward"`` (residuals wait for the
@@ -158,6 +161,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
     else:
         lean = lean_pullback_for(layer, trainable, arrays, kwargs, lean_normalization, slab_bytes) if lean else None
     policy = _save_all_but_constants if recompute_constants else jax.checkpoint_policies.everything_saveable
+    streams = STREAMED and getattr(lean, "streams_host_rows", False)
 
     def forward(trainable, non_trainable, arrays):
         if lean is not None:  # (layers whose call adds no loss: their pullback takes the outputs' cotangent)
@@ -172,7 +176,9 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         weights = {id(w) for w in jax.tree.leaves(trainable)}
         offloaded, seen = [], set()
         for i, leaf in enumerate(residuals):
-            if _nbytes(leaf) >= min_bytes and id(leaf) not in weights and id(leaf) not in seen:
+            # (a residual already in host memory, a parked input, stays there as it is)
+            if (_nbytes(leaf) >= min_bytes and id(leaf) not in weights and id(leaf) not in seen
+                    and not row_windows.on_host(leaf)):
                 offloaded.append(i)
                 seen.add(id(leaf))
         on_host = [jax.device_put(residuals[i], jax.memory.Space.Host) for i in offloaded]
@@ -201,8 +207,9 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
         if "backward" in barriers:
             kept, output_cotangent = jax.lax.optimization_barrier((kept, output_cotangent))
         residuals = list(kept)
-        for i in layout["offloaded"]:
-            residuals[i] = jax.device_put(kept[i], jax.memory.Space.Device)
+        if not streams:  # (a streaming rule copies back a window of rows at a time itself: row_windows)
+            for i in layout["offloaded"]:
+                residuals[i] = jax.device_put(kept[i], jax.memory.Space.Device)
         pullback = jax.tree.unflatten(layout["treedef"], residuals)
         trainable_grads, array_grads = pullback(output_cotangent[0] if lean is not None else output_cotangent)
         # The input gradient (what the previous layer's backward waits for) is released only with the weight

@@ -159,4 +159,5 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)
         return jax.tree_util.Partial(functools.partial(_grads, spec), arrays[0], trainable[kernel_index], bias)
 
+    make.streams_host_rows = windows > 1  # the input read a window of rows at a time (host_residuals)
     return make

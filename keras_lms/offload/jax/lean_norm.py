@@ -55,43 +55,57 @@ def _eligible(layer, arrays, kwargs) -> bool:
 
 def _grads(spec, x, scale, cotangent):
     """(trainable gradients in ``spec``'s order, [input gradient]), over windows of rows (`row_windows`) when
-    ``spec`` has more than one: each pass's float32 temporaries are a window's."""
-    axes, epsilon, scale_index, offset_index, count, dtypes, windows = spec
-    n = math.prod(x.shape[a] for a in axes)
-    axis = row_windows.row_axis(x.ndim, [a for a in range(x.ndim) if a not in axes])
-    rows = x.shape[axis] if axis is not None else 1
+    ``spec`` has more than one: each pass's float32 temporaries are a window's. ``x`` is stored channels-first
+    where ``spec``'s ``first`` says so (`stored_channels_first`)."""
+    axes, epsilon, scale_index, offset_index, count, dtypes, first, windows = spec
+    shape = (x.shape[0], *x.shape[2:], x.shape[1]) if first else tuple(x.shape)
+    n = math.prod(shape[a] for a in axes)
+    axis = row_windows.row_axis(len(shape), [a for a in range(len(shape)) if a not in axes])
+    rows = shape[axis] if axis is not None else 1
     keep = dict(axis=axes, keepdims=True)
+    x_axis = [2 if first else axis]
 
     def f32(t):
         return t.astype(jnp.float32)
 
+    def f32_x(t):  # a window of x, channels-last, in float32
+        return f32(jnp.moveaxis(t, 1, -1) if first else t)
+
     # the statistics as Keras computes them (``keras.ops.moments``: the mean, then the mean squared deviation)
-    (total,), _ = row_windows.over_rows(lambda xs: ((jnp.sum(f32(xs), **keep),), None), [x], [1], rows, windows,
-                                        axis)
+    (total,), _ = row_windows.over_rows(lambda xs: ((jnp.sum(f32_x(xs), **keep),), None), [x], [1], rows, windows,
+                                        axis, axes=x_axis)
     mean = total / n
 
     def deviation_sums(xs, dys):
-        centred, dy = f32(xs) - mean, f32(dys)
+        centred, dy = f32_x(xs) - mean, f32(dys)
         return (jnp.sum(centred * centred, **keep), jnp.sum(dy, **keep), jnp.sum(dy * centred, **keep)), None
 
     (squares, d_offset, d_centred), _ = row_windows.over_rows(deviation_sums, [x, cotangent], [1, 1], rows,
-                                                              windows, axis)
+                                                              windows, axis, axes=x_axis + [axis])
     inv = jax.lax.rsqrt(squares / n + epsilon)
     d_scale = d_centred * inv
     g = inv if scale is None else inv * scale.astype(jnp.float32).reshape(mean.shape)
 
     def input_rows(xs, dys):
-        xhat = (f32(xs) - mean) * inv
+        xhat = (f32_x(xs) - mean) * inv
         return (), g * (f32(dys) - d_offset / n - xhat * (d_scale / n))
 
     _, dx = row_windows.over_rows(input_rows, [x, cotangent], [1, 1], rows, windows, axis,
-                                  out=(x.shape, x.dtype, 1))
+                                  out=(shape, x.dtype, 1), axes=x_axis + [axis])
     grads = [None] * count
     if scale_index is not None:
         grads[scale_index] = d_scale.reshape(-1).astype(dtypes[scale_index])
     if offset_index is not None:
         grads[offset_index] = d_offset.reshape(-1).astype(dtypes[offset_index])
     return grads, [dx.astype(x.dtype)]
+
+
+def stored_channels_first(layer, x) -> bool:
+    """A float32 5-D input normalised over its last axis is stored channels-first (its host copy too): XLA holds a
+    float32 3D convolution's output channels-first on a GPU, and a channels-last host copy of it is a transposed
+    full-size temporary (5.36 GiB at the 3D U-Net's 448^3 float32 cube, beside the windowed convolution's output
+    and the bias-added one: the forward's peak). As ``convolution_backward`` stores such convolution inputs."""
+    return x.ndim == 5 and x.dtype == jnp.float32 and layer.axis % 5 == 4 and not row_windows.on_host(x)
 
 
 def normalization_windows(layer, x, slab_bytes: int) -> int:
@@ -116,10 +130,13 @@ def lean_batchnorm_pullback(layer, trainable, arrays, kwargs, slab_bytes: int = 
     ndim = arrays[0].ndim
     axes = tuple(i for i in range(ndim) if i != layer.axis % ndim)
     spec = (axes, float(layer.epsilon), scale_index, offset_index, len(variables),
-            [jnp.dtype(v.dtype) for v in variables], normalization_windows(layer, arrays[0], slab_bytes))
+            [jnp.dtype(v.dtype) for v in variables], stored_channels_first(layer, arrays[0]),
+            normalization_windows(layer, arrays[0], slab_bytes))
 
     def make(trainable, arrays):
         scale = trainable[scale_index] if scale_index is not None else None
-        return jax.tree_util.Partial(functools.partial(_grads, spec), arrays[0], scale)
+        x = jnp.moveaxis(arrays[0], -1, 1) if spec[-2] else arrays[0]
+        return jax.tree_util.Partial(functools.partial(_grads, spec), x, scale)
 
+    make.streams_host_rows = spec[-1] > 1  # the input read a window of rows at a time (host_residuals)
     return make

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bounds", "nbytes", "over_rows", "row_axis", "window_count"]
+__all__ = ["bounds", "device_rows", "nbytes", "on_host", "over_rows", "row_axis", "window_count"]
 
 
 def window_count(nbytes: int, rows: int, slab_bytes: int) -> int:
@@ -39,7 +39,7 @@ def bounds(rows: int, windows: int) -> list:
 
 
 def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, windows: int, axis: int = 1,
-              out=None, halos: Sequence[int] | None = None):
+              out=None, halos: Sequence[int] | None = None, axes: Sequence[int] | None = None):
     """Evaluate ``fn`` over windows of rows and combine: ``(sum of its partial sums, its rows assembled)``.
 
     Args:
@@ -51,9 +51,17 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
         rows: rows of scale 1 along ``axis``.
         windows: how many windows (`window_count`); 1 evaluates ``fn`` on the whole arrays (widened by their
             halos).
-        out: ``(shape, dtype, scale)`` of the assembled result, a list of them, or None.
+        out: ``(shape, dtype, scale)`` of the assembled result, a list of them, or None; ``(shape, dtype, scale,
+            True)`` assembles it in host memory (a window's rows are copied there as they are made: the gradient
+            of an input that lives on host, `on_host`).
         halos: rows array ``i``'s slices extend beyond the window on each side (a convolution's halo), zero
             beyond the array's edges; None: none.
+        axes: the axis each array is cut along, where it is not ``axis`` (an array stored channels-first); the
+            assembled result is written along ``axis``.
+
+    An array in host memory (`on_host`: a residual the backward streams) is sliced there and only each window's
+    rows are copied to the device, so the whole array never exists on the device (in the program XLA compiles for
+    a GPU, each slice is an asynchronous ``dynamic-slice`` out of memory space ``S(5)``).
 
     Returns:
         ``(sums, assembled)``: ``sums`` the partial sums added up (in their dtype), ``assembled`` the result's rows
@@ -61,19 +69,20 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
     """
     arrays = tuple(arrays)
     halos = tuple(halos) if halos is not None else (0,) * len(arrays)
+    axes = tuple(axes) if axes is not None else (axis,) * len(arrays)
     outs = out if isinstance(out, list) else ([] if out is None else [out])
 
     def cut(start, stop):
-        return [_rows(x, start * s, stop * s, h, axis) for x, s, h in zip(arrays, scales, halos)]
+        return [device_rows(x, start * s, stop * s, h, a) for x, s, h, a in zip(arrays, scales, halos, axes)]
 
     if windows <= 1:  # (``axis`` may then be None: a tensor with no row axis)
-        return fn(*(cut(0, rows) if any(halos) else arrays))
+        return fn(*(cut(0, rows) if any(halos) else [_on_device(x) for x in arrays]))
     buffers = []
     if outs:
         # The output buffers are made once the operands exist as the windows read them (XLA would otherwise
         # allocate them first, beside an operand and that operand's copy in another layout).
         arrays, zero = jax.lax.optimization_barrier((arrays, jnp.zeros((), jnp.float32)))
-        buffers = [jnp.broadcast_to(zero.astype(dtype), shape) for shape, dtype, _ in outs]
+        buffers = [_to_host(jnp.broadcast_to(zero.astype(o[1]), o[0]), _host_out(o)) for o in outs]
     total = None
     for i, (start, stop) in enumerate(bounds(rows, windows)):
         if i:  # this window's slices are cut once the previous window's sum and rows exist
@@ -81,18 +90,36 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
         partial, pieces = fn(*cut(start, stop))
         total = partial if total is None else jax.tree.map(jnp.add, total, partial)
         pieces = pieces if isinstance(out, list) else [pieces]
-        buffers = [jax.lax.dynamic_update_slice_in_dim(b, p.astype(b.dtype), start * o[2], axis)
+        buffers = [jax.lax.dynamic_update_slice_in_dim(b, _to_host(p.astype(o[1]), _host_out(o)), start * o[2], axis)
                    for b, p, o in zip(buffers, pieces, outs)]
     return total, (buffers if isinstance(out, list) else (buffers[0] if buffers else None))
 
 
-def _rows(x, start: int, stop: int, halo: int, axis: int):
-    """Rows ``start - halo .. stop + halo`` of ``x`` along ``axis``, zero beyond its edges."""
+def on_host(x) -> bool:
+    """``x`` (an array or a tracer) lives in host memory (``jax.memory.Space.Host``)."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _on_device(x):
+    return jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
+
+
+def _host_out(spec) -> bool:
+    return len(spec) > 3 and bool(spec[3])
+
+
+def _to_host(x, host: bool):
+    return jax.device_put(x, jax.memory.Space.Host) if host else x
+
+
+def device_rows(x, start: int, stop: int, halo: int, axis: int):
+    """Rows ``start - halo .. stop + halo`` of ``x`` along ``axis`` on the device, zero beyond its edges (for an
+    ``x`` in host memory: only those rows are copied)."""
     length = x.shape[axis]
     lo, hi = start - halo, stop + halo
     if (lo, hi) == (0, length):
-        return x
-    piece = jax.lax.slice_in_dim(x, max(lo, 0), min(hi, length), axis=axis)
+        return _on_device(x)
+    piece = _on_device(jax.lax.slice_in_dim(x, max(lo, 0), min(hi, length), axis=axis))
     if lo >= 0 and hi <= length:
         return piece
     padding = [(0, 0)] * x.ndim

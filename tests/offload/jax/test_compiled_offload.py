@@ -235,3 +235,19 @@ def test_large_convolutions_backwards_and_up_sampling_forwards_run_in_windows(h1
 
     (control, control_updates), (windowed, updates) = compiled(False), compiled(True)
     _assert_less_temp_same_host_bytes_more_updates(control, control_updates, windowed, updates, 0.95)
+
+
+def test_skips_parked_on_host_between_encoder_and_decoder(h100, monkeypatch):
+    """``offload/jax/parking.py`` in the compiled program: the 3D U-Net 2x96^3 (float32) wrapped with
+    ``slab_bytes="32MiB"`` copies its skips to host after their pooling, its decoder's windowed convolutions read
+    them from there a window of rows at a time and assemble their gradients there; the device temp falls by more
+    than 5% (measured 409.1 -> 362.1 MiB) with the same host bytes (the skip's copy is the convolution's
+    residual). Control: nothing parked, the same wrapped model."""
+    from keras_lms.offload.jax import parking
+
+    def compiled(parked: bool):
+        monkeypatch.setattr(parking, "PARKED", parked)
+        return _unet96_with_32mib_slabs()
+
+    (control, control_updates), (parked, updates) = compiled(False), compiled(True)
+    _assert_less_temp_same_host_bytes_more_updates(control, control_updates, parked, updates, 0.95)

@@ -94,9 +94,12 @@ def test_mixed_precision_runs_and_matches(policy):
     for name, a, b in zip(names, state_w, state):
         np.testing.assert_allclose(np.asarray(a, "float64"), np.asarray(b, "float64"), rtol=1e-2, atol=1e-3,
                                    err_msg=name)
+    # atol relative to the gradients' scale (mixed_float16's are loss-scaled, by 2**15): conv1's bias, followed by
+    # BatchNorm, has a gradient that is mathematically zero, float16 rounding noise (|g| ~1.5e-4 of the global norm)
+    total = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, "float64"))) for g in grads)))
     for a, b in zip(grads_w, grads):
         assert a.dtype == b.dtype
-        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=5e-2, atol=1e-3)
+        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=5e-2, atol=max(1e-3, 1e-4 * total))
 
 
 def test_the_naive_checkpoint_offload_is_numerically_plain_too():

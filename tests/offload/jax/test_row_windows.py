@@ -68,8 +68,8 @@ def test_window_count_and_bounds():
     assert row_windows.row_axis(2, [1]) is None
 
 
-def _spec(dtype, windows):
-    return ((0, 1, 2), 1e-3, 0, 1, 2, [jnp.dtype(dtype)] * 2, windows)
+def _spec(dtype, windows, first=False):
+    return ((0, 1, 2), 1e-3, 0, 1, 2, [jnp.dtype(dtype)] * 2, first, windows)
 
 
 def _batch_norm_vjp(x, scale, cotangent):
@@ -81,8 +81,11 @@ def _batch_norm_vjp(x, scale, cotangent):
     return [d_scale, d_offset, d_x]
 
 
-def _lean(x, scale, cotangent, windows):
-    grads, (d_x,) = jax.jit(lambda x, s, c: lean_norm._grads(_spec(x.dtype, windows), x, s, c))(x, scale, cotangent)
+def _lean(x, scale, cotangent, windows, first=False):
+    """The rule's gradients; ``first``: ``x`` stored channels-first, as float32 5-D inputs are."""
+    stored = jnp.moveaxis(x, -1, 1) if first else x
+    grads, (d_x,) = jax.jit(lambda x, s, c: lean_norm._grads(_spec(x.dtype, windows, first), x, s, c))(
+        stored, scale, cotangent)
     return [*grads, d_x]
 
 
@@ -106,8 +109,9 @@ def test_windowed_batch_norm_backward_is_the_formulas_derivative_in_float64(x64,
     namespace = {name: getattr(jnp, name) for name in dir(jnp) if not name.startswith("__")}
     monkeypatch.setattr(lean_norm, "jnp", types.SimpleNamespace(**{**namespace, "float32": jnp.float64}))
     for windows in (1, 10):
-        errors = [_relative(g, r) for g, r in zip(_lean(x, scale, cotangent, windows), reference)]
-        assert max(errors) < 1e-13, (windows, errors)
+        for first in (False, True):
+            errors = [_relative(g, r) for g, r in zip(_lean(x, scale, cotangent, windows, first), reference)]
+            assert max(errors) < 1e-13, (windows, first, errors)
 
 
 def test_windowed_batch_norm_backward_in_float32_is_as_close_to_keras_as_the_whole():
