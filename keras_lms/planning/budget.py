@@ -95,6 +95,7 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
     offloaded_rows = [list(e.tensor_offloaded) for e in entries]
     for i, positions in facts.parked_inputs(calls, offloaded_rows, batch_size, planned_slab_bytes(entries)).items():
         entries[i].parked_inputs = sorted(positions)
+        entries[i].reason += "; parked on host after this call for a far reader, which reads it from there"
     plan_sweeps(calls, entries, config, facts, batch_size)
     if config.device_profile is not None:
         _plan_recompute(calls, entries, config, facts, batch_size, static_bytes, update_bytes, recomputed)
@@ -362,7 +363,9 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
         slab_bytes, memory = fastest_fitting_slab(calls, chosen, config, facts, batch_size, static_bytes,
                                                   update_bytes, slab_bytes, memory)
     if memory.budget_bytes > budget:
-        largest = max(range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))
+        slabs = facts.slab_plans(calls, chosen, batch_size, slab_bytes)
+        built = set(range(n)) - set(facts.elided_concatenations(calls, slabs, batch_size) if slabs else ())
+        largest = max(built or range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))  # (never built: not)
         need = sum(sizes_in[largest]) + sum(sizes_out[largest])
         raise BudgetError(
             f"device_budget {format_bytes(budget)} cannot be met: with every eligible tensor offloaded the step is "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 
 from keras_lms.offload.jax import row_windows
 
@@ -38,11 +39,15 @@ def _parked(windows, x):
 
 
 def _parked_forward(windows, x):
-    return _parked(windows, x), None
+    return _parked(windows, x.value), None
 
 
 def _parked_backward(windows, _, cotangents):
     near, far = cotangents
+    if isinstance(far, SymbolicZero):  # the far reader read the tensor from the device after all
+        return (near,)
+    if isinstance(near, SymbolicZero):
+        return (jax.device_put(far, jax.memory.Space.Device),)
     rows = near.shape[1]
     for i, (start, stop) in enumerate(row_windows.bounds(rows, windows)):
         if i:  # this window comes back once the previous one is added
@@ -52,7 +57,9 @@ def _parked_backward(windows, _, cotangents):
     return (near,)
 
 
-_parked.defvjp(_parked_forward, _parked_backward)
+# (symbolic zeros: an unread host copy's zero cotangent would otherwise be made on the device, which JAX refuses
+# as a host value's cotangent)
+_parked.defvjp(_parked_forward, _parked_backward, symbolic_zeros=True)
 
 
 class ParkedTensors:
@@ -72,8 +79,9 @@ class ParkedTensors:
         found = self._copies.get(id(tensor))
         if found is None:
             return outputs
-        copy, outputs = jax.lax.optimization_barrier((found[1], outputs))
-        self._copies[id(tensor)] = (tensor, copy)
+        # (the barrier only orders: the host copy's gradient flows through `parked` alone, so that an unread copy's
+        # zero cotangent is never made on the device)
+        _, outputs = jax.lax.optimization_barrier((jax.lax.stop_gradient(found[1]), outputs))
         return outputs
 
     def host_copy(self, tensor):

@@ -28,21 +28,11 @@ compiled program's host temporaries within 1%.
 
 from __future__ import annotations
 
-from keras_lms.offload.jax import convolutions, parking, row_windows
+from keras_lms.offload.jax import window_facts
 from keras_lms.offload.jax.lean import block_max_pool
 from keras_lms.offload.jax.lean_norm import lean_layer
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.plan import tensor_bytes
-
-# Calls between a tensor's first reader and a concatenation of it beyond which the tensor is parked on host.
-PARK_DISTANCE = 2
-
-
-def windowed_convolution(unit, input_shape, input_bytes: int, slab_bytes: int) -> bool:
-    """``convolutions.window_count`` > 1 for a call of ``unit`` on inputs of ``input_bytes`` in all."""
-    return (convolutions.WINDOWED and convolutions.SPLIT_PARTS and convolutions.windowable(unit)
-            and len(input_shape) >= 3 and input_shape[1] is not None
-            and row_windows.window_count(input_bytes, input_shape[1], slab_bytes) > 1)
 
 
 class JaxFacts(BackendFacts):
@@ -65,33 +55,24 @@ class JaxFacts(BackendFacts):
             return offloaded_bytes
         return sent if sent >= min_bytes else 0
 
+    # ------------------------------------------------------------------ windows of rows (``window_facts``)
+    def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
+        return window_facts.window_plans(calls, offloaded, batch_size, slab_bytes)
+
+    def elided_concatenations(self, calls, slabs: dict, batch_size: int) -> dict:
+        return window_facts.elided_concatenations(calls, slabs, batch_size)
+
+    def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
+        return window_facts.window_backward_bytes(call, input_sizes, output_sizes, slab)
+
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
+        return 0 if slab is None else window_facts.window_forward_bytes(call, input_sizes, output_sizes, slab)
+
+    def slab_traffic(self, calls, index: int, slab, offloaded_row, batch_size: int):
+        return window_facts.window_traffic(calls, index, slab, offloaded_row, batch_size)
+
     def parked_inputs(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
-        """The parts of a channel concatenation read by an offloaded convolution in windows (``convolutions``:
-        its parts' bytes over ``slab_bytes``), parked on host after their first reader when that is more than
-        ``PARK_DISTANCE`` calls before the concatenation (a U-Net skip: ``step``)."""
-        if not (slab_bytes and parking.PARKED):
-            return {}
-        first, readers = {}, {}
-        for i, call in enumerate(calls):
-            for j, key in enumerate(call.keys):
-                first.setdefault(key, (i, j))
-                readers.setdefault(key, []).append(i)
-        parked = {}
-        for c, call in enumerate(calls):
-            if not (layer_facts.is_keras_class(call.unit, {"Concatenate"}) and len(call.output_keys) == 1
-                    and len(call.keys) > 1):
-                continue
-            reader = readers.get(call.output_keys[0], [])
-            if len(reader) != 1 or not any(offloaded[reader[0]]):
-                continue
-            sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
-            if not windowed_convolution(calls[reader[0]].unit, call.shapes[0], sum(sizes), slab_bytes):
-                continue
-            for key in call.keys:
-                i, j = first[key]
-                if i + PARK_DISTANCE < c:
-                    parked.setdefault(i, set()).add(j)
-        return {i: sorted(j) for i, j in parked.items()}
+        return window_facts.parked_inputs(calls, offloaded, batch_size, slab_bytes)
 
     def input_freed_before_input_gradient(self, call) -> bool:
         return channels_last_native_convolution(call)
