@@ -27,9 +27,10 @@ import keras
 from keras_lms.offload.jax import row_windows
 from keras_lms.offload.jax.lean import kernel_and_bias
 
-__all__ = ["WINDOWED", "windowed_pullback"]
+__all__ = ["OVERWRITE", "WINDOWED", "windowed_pullback"]
 
 WINDOWED = True  # False: the windowed forward's backward runs whole (the control of the compiled-program tests)
+OVERWRITE = True  # False: the input gradients get buffers of their own (the control)
 
 
 def windowed_pullback(layer, count: int, windows: int):
@@ -124,8 +125,16 @@ def _grads(spec, layout, stored, kernel, bias, cotangent):
             pieces.append(d_x)
         return (), pieces
 
+    # one device part's gradient is written in place of the cotangent where it has its shape and dtype (the
+    # rows a window reads below its start kept aside before the window below writes them)
+    fits = [OVERWRITE and not p and tuple(shape) == tuple(cotangent.shape) and x.dtype == cotangent.dtype
+            for shape, x, p in zip(shapes, stored, parked)]
+    overwrite = [None] * parts
+    if any(fits):
+        overwrite[fits.index(True)] = 0
     _, d_inputs = row_windows.over_rows(input_window, [cotangent], [1], rows, windows, halos=[h],
-                                        out=[(shape, x.dtype, 1, p) for shape, x, p in zip(shapes, stored, parked)])
+                                        out=[(shape, x.dtype, 1, p) for shape, x, p in zip(shapes, stored, parked)],
+                                        overwrite=overwrite)
     grads = [None] * count
     grads[kernel_index] = jnp.concatenate(d_kernels, axis=-2).astype(kernel.dtype)
     if bias_index is not None:

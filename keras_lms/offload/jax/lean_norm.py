@@ -36,6 +36,8 @@ from keras_lms.offload.jax import row_windows
 
 __all__ = ["lean_batchnorm_pullback", "lean_layer", "normalization_windows"]
 
+OVERWRITE = True  # False: the windowed input gradient gets a buffer of its own (the compiled tests' control)
+
 
 def lean_layer(layer, dtype) -> bool:
     """Keras' own BatchNormalization, no renorm, not synchronised, on inputs of ``dtype`` that Keras computes in
@@ -90,8 +92,10 @@ def _grads(spec, x, scale, cotangent):
         xhat = (f32_x(xs) - mean) * inv
         return (), g * (f32(dys) - d_offset / n - xhat * (d_scale / n))
 
+    # dx rows read only the same rows of dy: written in place of dy where it has dx's shape and dtype
+    same = OVERWRITE and tuple(cotangent.shape) == tuple(shape) and cotangent.dtype == x.dtype
     _, dx = row_windows.over_rows(input_rows, [x, cotangent], [1, 1], rows, windows, axis,
-                                  out=(shape, x.dtype, 1), axes=x_axis + [axis])
+                                  out=(shape, x.dtype, 1), axes=x_axis + [axis], overwrite=[1 if same else None])
     grads = [None] * count
     if scale_index is not None:
         grads[scale_index] = d_scale.reshape(-1).astype(dtypes[scale_index])

@@ -39,7 +39,8 @@ def bounds(rows: int, windows: int) -> list:
 
 
 def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, windows: int, axis: int = 1,
-              out=None, halos: Sequence[int] | None = None, axes: Sequence[int] | None = None):
+              out=None, halos: Sequence[int] | None = None, axes: Sequence[int] | None = None,
+              overwrite: Sequence[int | None] | None = None):
     """Evaluate ``fn`` over windows of rows and combine: ``(sum of its partial sums, its rows assembled)``.
 
     Args:
@@ -58,6 +59,11 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
             beyond the array's edges; None: none.
         axes: the axis each array is cut along, where it is not ``axis`` (an array stored channels-first); the
             assembled result is written along ``axis``.
+        overwrite: per assembled result, the index of an array (scale 1, cut along ``axis``, on the device, of the
+            result's shape and dtype, read by nothing after this) whose buffer it is written into instead of a new
+            one (None: a new one), so a gradient takes its cotangent's place. The array's rows a window reads
+            below its start were overwritten by the window before: they come from a copy of those halo rows
+            taken before that write.
 
     An array in host memory (`on_host`: a residual the backward streams) is sliced there and only each window's
     rows are copied to the device, so the whole array never exists on the device (in the program XLA compiles for
@@ -77,21 +83,42 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
 
     if windows <= 1:  # (``axis`` may then be None: a tensor with no row axis)
         return fn(*(cut(0, rows) if any(halos) else [_on_device(x) for x in arrays]))
-    buffers = []
+    overwrite = list(overwrite) if overwrite is not None else [None] * len(outs)
+    spans = bounds(rows, windows)
+    for j, k in enumerate(overwrite):  # (a window narrower than its halo cannot carry it: a new buffer)
+        if k is not None and any(b - a < halos[k] for a, b in spans):
+            overwrite[j] = None
+    arrays, buffers = list(arrays), []
     if outs:
         # The output buffers are made once the operands exist as the windows read them (XLA would otherwise
         # allocate them first, beside an operand and that operand's copy in another layout).
         arrays, zero = jax.lax.optimization_barrier((arrays, jnp.zeros((), jnp.float32)))
-        buffers = [_to_host(jnp.broadcast_to(zero.astype(o[1]), o[0]), _host_out(o)) for o in outs]
+        buffers = [arrays[k] if k is not None else _to_host(jnp.broadcast_to(zero.astype(o[1]), o[0]), _host_out(o))
+                   for o, k in zip(outs, overwrite)]
+    carries = {k: None for k in overwrite if k is not None}  # array index -> its rows just below the window
     total = None
-    for i, (start, stop) in enumerate(bounds(rows, windows)):
+    for i, (start, stop) in enumerate(spans):
         if i:  # this window's slices are cut once the previous window's sum and rows exist
-            arrays, total, buffers = jax.lax.optimization_barrier((arrays, total, buffers))
-        partial, pieces = fn(*cut(start, stop))
+            arrays, total, buffers, carries = jax.lax.optimization_barrier((arrays, total, buffers, carries))
+        slices = cut(start, stop)
+        for k, carry in carries.items():
+            if carry is not None:  # rows start - halo .. start were overwritten: the copy taken before
+                upper = device_rows(arrays[k], start + halos[k], stop, halos[k], axis)
+                slices[k] = jnp.concatenate([carry, upper], axis=axis)
+        partial, pieces = fn(*slices)
         total = partial if total is None else jax.tree.map(jnp.add, total, partial)
         pieces = pieces if isinstance(out, list) else [pieces]
-        buffers = [jax.lax.dynamic_update_slice_in_dim(b, _to_host(p.astype(o[1]), _host_out(o)), start * o[2], axis)
+        pieces = [_to_host(p.astype(o[1]), _host_out(o)) for p, o in zip(pieces, outs)]
+        for k in carries:  # the next window's lower halo, copied before this window's rows are written
+            if halos[k]:
+                carries[k] = jax.lax.slice_in_dim(arrays[k], stop - halos[k], stop, axis=axis)
+        if carries:
+            carries, pieces = jax.lax.optimization_barrier((carries, pieces))
+        buffers = [jax.lax.dynamic_update_slice_in_dim(b, p, start * o[2], axis)
                    for b, p, o in zip(buffers, pieces, outs)]
+        for j, k in enumerate(overwrite):
+            if k is not None:
+                arrays[k] = buffers[j]
     return total, (buffers if isinstance(out, list) else (buffers[0] if buffers else None))
 
 

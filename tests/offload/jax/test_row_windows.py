@@ -125,3 +125,24 @@ def test_windowed_batch_norm_backward_in_float32_is_as_close_to_keras_as_the_who
     whole = max(_relative(g, r) for g, r in zip(_lean(x, scale, cotangent, 1), reference))
     windowed = max(_relative(g, r) for g, r in zip(_lean(x, scale, cotangent, 10), reference))
     assert whole < 2e-6 and windowed < 2e-6, (whole, windowed)
+
+
+def test_a_result_written_in_place_of_an_operand_reads_its_overwritten_halo_rows_from_a_copy(x64):
+    """``overwrite``: a halo'd row-local map (``y[i] = x[i-1] + 2 x[i] + x[i+1]``, zero beyond the edges) written
+    into its operand's buffer gives what it gives into a new buffer: each window's rows below its start, already
+    overwritten, come from the copy taken before (the control: without the copy they would be results)."""
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 23, 5, 3)), jnp.float64)
+
+    def rule(rows):
+        middle = rows[:, 1:-1]
+        return (), rows[:, :-2] + 2 * middle + rows[:, 2:]
+
+    def run(overwrite):
+        return jax.jit(lambda x: row_windows.over_rows(rule, [x], [1], 23, 5, halos=[1],
+                                                       out=(x.shape, x.dtype, 1), overwrite=overwrite)[1])(x)
+
+    fresh, written = run(None), run([0])
+    padded = np.pad(np.asarray(x), [(0, 0), (1, 1), (0, 0), (0, 0)])
+    expected = padded[:, :-2] + 2 * padded[:, 1:-1] + padded[:, 2:]
+    np.testing.assert_allclose(fresh, expected, rtol=1e-15)
+    np.testing.assert_array_equal(written, fresh)
