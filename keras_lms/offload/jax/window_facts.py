@@ -34,6 +34,8 @@ __all__ = ["WindowPlan", "PARK_DISTANCE", "WORKING_WINDOWS", "elided_concatenati
 PARK_DISTANCE = 2
 # Window-sized buffers a windowed call holds at once besides its whole operands (see the module docstring).
 WORKING_WINDOWS = 1
+# Whether an input gradient of its output gradient's size takes that gradient's place (``row_windows``).
+OVERWRITTEN = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +167,12 @@ def _compute_ratio(call) -> float:
 
 def window_backward_bytes(call, input_sizes, output_sizes, plan: WindowPlan) -> int:
     """A windowed call's backward: its output gradient, the input gradients assembled on the device (a parked
-    part's is assembled on host) and the working windows."""
-    device_grads = sum(s for p, s in enumerate(input_sizes) if p not in plan.host_parts)
+    part's is assembled on host; one of the output gradient's size is written in its place: ``row_windows``'
+    ``overwrite``) and the working windows."""
+    device = [s for p, s in enumerate(input_sizes) if p not in plan.host_parts]
+    in_place = sum(output_sizes) if OVERWRITTEN and sum(output_sizes) in device else 0
     window = (sum(input_sizes) + sum(output_sizes)) / plan.count
-    return int(sum(output_sizes) + device_grads + WORKING_WINDOWS * window * _compute_ratio(call))
+    return int(sum(output_sizes) + sum(device) - in_place + WORKING_WINDOWS * window * _compute_ratio(call))
 
 
 def window_forward_bytes(call, input_sizes, output_sizes, plan: WindowPlan) -> int:
