@@ -243,43 +243,35 @@ def test_large_convolutions_backwards_and_up_sampling_forwards_run_in_windows(h1
     _assert_less_temp_same_host_bytes_more_updates(control, control_updates, windowed, updates, 0.95)
 
 
-def test_skips_parked_on_host_between_encoder_and_decoder(h100, monkeypatch):
-    """``offload/jax/parking.py`` in the compiled program: the 3D U-Net 2x96^3 (float32) wrapped with
-    ``slab_bytes="32MiB"`` copies its skips to host after their pooling, its decoder's windowed convolutions read
-    them from there a window of rows at a time and assemble their gradients there (more slices of host buffers in
-    the HLO); the device temp falls by more than 5% (measured 409.1 -> 362.1 MiB before the in-place gradients)
-    with the same host bytes (the skip's copy is the convolution's residual). Control: nothing parked, the same
-    wrapped model. The report, which knows the windows (``window_facts``), predicts the parked step's temp +
-    arguments within 15% (measured 423.9 against 426.9 MiB; 626.4, 1.47x, before it knew them)."""
-    from keras_lms.offload.jax import parking
+def test_skips_parked_on_host_and_windowed_gradients_written_in_place(h100, monkeypatch):
+    """``offload/jax/parking.py`` and ``row_windows.over_rows(overwrite=)`` in the compiled program: the 3D U-Net
+    2x96^3 (float32) wrapped with ``slab_bytes="32MiB"``.
 
-    def compiled(parked: bool, report=None):
+    * Parking: its skips go to host after their pooling, its decoder's windowed convolutions read them from there
+      a window of rows at a time and assemble their gradients there (more slices of host buffers in the HLO); the
+      device temp falls by more than 5% (measured 409.1 -> 362.1 MiB without the in-place gradients) with the same
+      host bytes (the skip's copy is the convolution's residual). Control: nothing parked.
+    * In place: the windowed BatchNorm and convolution input gradients are written into their cotangents'
+      buffers; the temp falls by more than 2% (measured 362.1 -> 348.8 MiB). Control: each gradient in a buffer
+      of its own. (At the 448^3 float32 cube, where XLA's heap had packed three such buffers at three offsets:
+      16.83 -> 13.46 GiB.)
+    * The report, which knows the windows (``window_facts``), predicts the step's temp + arguments within 15%
+      (measured 423.9 against 426.9 MiB; 626.4, 1.47x, before it knew them).
+    """
+    from keras_lms.offload.jax import convolution_backward, lean_norm, parking
+
+    def compiled(parked: bool, overwrite: bool, report=None):
         monkeypatch.setattr(parking, "PARKED", parked)
+        monkeypatch.setattr(lean_norm, "OVERWRITE", overwrite)
+        monkeypatch.setattr(convolution_backward, "OVERWRITE", overwrite)
         return _unet96_with_32mib_slabs(report=report, host_slices=slices)[0]
 
     predicted, slices = [], []
-    control, parked = compiled(False), compiled(True, predicted)
-    assert parked.temp_bytes < 0.95 * control.temp_bytes, (parked.temp_bytes / 2**20, control.temp_bytes / 2**20)
-    assert abs(parked.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
+    unparked, both, separate = compiled(False, True), compiled(True, True, predicted), compiled(True, False)
+    assert both.temp_bytes < 0.95 * unparked.temp_bytes, (both.temp_bytes / 2**20, unparked.temp_bytes / 2**20)
+    assert both.temp_bytes < 0.98 * separate.temp_bytes, (both.temp_bytes / 2**20, separate.temp_bytes / 2**20)
+    for other in (unparked, separate):
+        assert abs(both.host_temp_bytes - other.host_temp_bytes) <= 0.01 * other.host_temp_bytes
     assert slices[1] > slices[0], slices  # the skip's windows read from host in the forward
-    used = parked.temp_bytes + parked.argument_bytes
+    used = both.temp_bytes + both.argument_bytes
     assert abs(predicted[0] - used) < 0.15 * used, (predicted[0] / 2**20, used / 2**20)
-
-
-def test_windowed_input_gradients_take_their_cotangents_place(h100, monkeypatch):
-    """``row_windows.over_rows(overwrite=)`` in the compiled program: the 3D U-Net 2x96^3 (float32) wrapped with
-    ``slab_bytes="32MiB"`` writes its windowed BatchNorm and convolution input gradients into their cotangents'
-    buffers; the device temp falls by more than 2% (measured 362.1 -> 348.8 MiB) with the same host bytes.
-    Control: each gradient in a buffer of its own. (At the 448^3 float32 cube, where XLA's heap had packed three
-    such buffers at three offsets: 16.83 -> 13.46 GiB.)"""
-    from keras_lms.offload.jax import convolution_backward, lean_norm
-
-    def compiled(overwrite: bool):
-        monkeypatch.setattr(lean_norm, "OVERWRITE", overwrite)
-        monkeypatch.setattr(convolution_backward, "OVERWRITE", overwrite)
-        return _unet96_with_32mib_slabs()
-
-    (control, _), (overwritten, _) = compiled(False), compiled(True)
-    assert overwritten.temp_bytes < 0.98 * control.temp_bytes, (overwritten.temp_bytes / 2**20,
-                                                                 control.temp_bytes / 2**20)
-    assert abs(overwritten.host_temp_bytes - control.host_temp_bytes) <= 0.01 * control.host_temp_bytes
