@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from keras_lms.offload.jax import convolution_backward, convolutions, parking, row_windows
-from keras_lms.offload.jax.lean import block_conv_transpose, kernel_and_bias
-from keras_lms.offload.jax.lean_norm import lean_layer
+from keras_lms.offload.jax.lean import kernel_and_bias
+from keras_lms.offload.jax.lean_norm import lean_layer, normalization_windows
 from keras_lms.planning import layer_facts
 from keras_lms.planning.plan import tensor_bytes
 from keras_lms.planning.traffic import SlabTraffic
@@ -60,14 +62,16 @@ def _sizes(shapes, dtypes, batch_size: int) -> list:
     return [tensor_bytes(s, d, batch_size) for s, d in zip(shapes, dtypes)]
 
 
-def _windowed_convolution(unit, input_shape, input_bytes: int, slab_bytes: int) -> int:
-    """How many windows ``convolutions.window_count`` gives a call of ``unit`` on inputs of ``input_bytes``."""
-    if not (convolutions.WINDOWED and convolutions.windowable(unit)) or len(input_shape) < 3:
-        return 1
-    return row_windows.window_count(input_bytes, input_shape[1], slab_bytes)
+def _arrays(shapes, dtypes, batch_size: int) -> list:
+    """The call's inputs as the step's window counts take them (shape and dtype only)."""
+    return [jax.ShapeDtypeStruct(tuple(_shape(s, batch_size)), d) for s, d in zip(shapes, dtypes)]
 
 
-def _concatenations(calls, batch_size: int) -> dict:
+def _halo(unit) -> int:
+    return unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
+
+
+def _concatenations(calls) -> dict:
     """Output key of a channel (last-axis) Concatenate call of several parts -> its index."""
     found = {}
     for i, call in enumerate(calls):
@@ -81,7 +85,7 @@ def _read_concatenations(calls, offloaded, batch_size: int, slab_bytes: int) -> 
     """Concatenation index -> (index of the offloaded convolution that reads its parts in windows, windows)."""
     if not (slab_bytes and convolutions.SPLIT_PARTS):
         return {}
-    concatenations, read = _concatenations(calls, batch_size), {}
+    concatenations, read = _concatenations(calls), {}
     readers = {}
     for i, call in enumerate(calls):
         for key in call.keys:
@@ -91,8 +95,8 @@ def _read_concatenations(calls, offloaded, batch_size: int, slab_bytes: int) -> 
         if len(reader) != 1 or not any(offloaded[reader[0]]) or len(calls[reader[0]].keys) != 1:
             continue
         call = calls[c]
-        windows = _windowed_convolution(calls[reader[0]].unit, _shape(call.shapes[0], batch_size),
-                                        sum(_sizes(call.shapes, call.dtypes, batch_size)), slab_bytes)
+        windows = convolutions.window_count(calls[reader[0]].unit, _arrays(call.shapes, call.dtypes, batch_size),
+                                            slab_bytes)
         if windows > 1 and convolution_backward.WINDOWED and kernel_and_bias(calls[reader[0]].unit) is not None:
             read[c] = (reader[0], windows)  # (parts read from host need its windowed backward: ``step``)
     return read
@@ -125,27 +129,22 @@ def window_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         return {}
     plans = {}
     for c, (reader, windows) in _read_concatenations(calls, offloaded, batch_size, slab_bytes).items():
-        unit = calls[reader].unit
-        halo = unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
-        plans[reader] = WindowPlan(windows, _shape(calls[c].shapes[0], batch_size)[1], halo,
+        plans[reader] = WindowPlan(windows, _shape(calls[c].shapes[0], batch_size)[1], _halo(calls[reader].unit),
                                    host_parts=tuple(p for p, _, _ in _parked_parts(calls, c)))
     for i, call in enumerate(calls):
         if i in plans or not any(offloaded[i]) or not call.shapes or any(d is None for d in call.shapes[0][1:]):
             continue
         unit, shape = call.unit, _shape(call.shapes[0], batch_size)
-        sizes = _sizes(call.shapes, call.dtypes, batch_size)
-        outputs = sum(_sizes(call.output_shapes, call.output_dtypes, batch_size))
         if len(shape) < 3:
             continue
-        windows, halo, passes = _windowed_convolution(unit, shape, sum(sizes), slab_bytes), 0, 1
+        arrays = _arrays(call.shapes, call.dtypes, batch_size)
+        windows, halo, passes = convolutions.window_count(unit, arrays, slab_bytes), 0, 1
         if windows > 1:
-            halo = unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
-        elif convolutions.WINDOWED and len(call.shapes) == 1 and block_conv_transpose(unit):
-            windows = row_windows.window_count(sum(sizes) + outputs, shape[1], slab_bytes)
-        elif len(call.shapes) == 1 and lean_layer(unit, call.dtypes[0]):
-            axis = row_windows.row_axis(len(shape), [unit.axis])
-            windows = row_windows.window_count(sum(sizes), shape[axis], slab_bytes) if axis == 1 else 1
-            passes = 3
+            halo = _halo(unit)
+        elif len(arrays) == 1:  # (the step's own counts: ``step``, ``lean``, ``lean_norm``)
+            windows = convolutions.transposed_window_count(unit, arrays, slab_bytes)
+            if windows <= 1 and lean_layer(unit, call.dtypes[0]) and row_windows.row_axis(len(shape), [unit.axis]) == 1:
+                windows, passes = normalization_windows(unit, arrays[0], slab_bytes), 3
         if windows > 1:
             plans[i] = WindowPlan(windows, shape[1], halo, passes)
     return plans
@@ -153,7 +152,7 @@ def window_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
 
 def elided_concatenations(calls, plans: dict, batch_size: int) -> dict:
     """Index of a concatenation never built -> the windowed convolution that reads its parts instead."""
-    concatenations = _concatenations(calls, batch_size)
+    concatenations = _concatenations(calls)
     return {concatenations[calls[i].keys[0]]: i for i in plans
             if len(calls[i].keys) == 1 and calls[i].keys[0] in concatenations
             and convolutions.windowable(calls[i].unit)}
@@ -184,7 +183,7 @@ def window_traffic(calls, index: int, plan: WindowPlan, offloaded_row, batch_siz
     """The host copies a windowed call reads and the bytes it brings back: its backward reads each copy
     ``passes`` times with its halos; a convolution over parked parts reads them in its forward too."""
     call = calls[index]
-    concatenations = _concatenations(calls, batch_size)
+    concatenations = _concatenations(calls)
     c = concatenations.get(call.keys[0]) if len(call.keys) == 1 else None
     if c is not None and convolutions.windowable(call.unit):
         keys, sizes = calls[c].keys, _sizes(calls[c].shapes, calls[c].dtypes, batch_size)
