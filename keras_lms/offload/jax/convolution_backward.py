@@ -48,21 +48,13 @@ def windowed_pullback(layer, count: int, windows: int):
         bias = trainable[bias_index] if bias_index is not None else jnp.zeros((), trainable[kernel_index].dtype)
         # a part parked in host memory (``step``) stays as it is: its gradient is assembled there too
         parked = tuple(row_windows.on_host(x) for x in arrays)
-        first = tuple(_stored_channels_first(x) and not p for x, p in zip(arrays, parked))
+        first = tuple(row_windows.held_channels_first(x) for x in arrays)  # (a parked part is on host: never)
         stored = [_channels_first(x) if f else x for x, f in zip(arrays, first)]
         return jax.tree_util.Partial(functools.partial(_grads, spec, (first, parked)), stored,
                                      trainable[kernel_index], bias)
 
     make.streams_host_rows = True  # its inputs are read a window of rows at a time (host_residuals)
     return make
-
-
-def _stored_channels_first(x) -> bool:
-    """XLA's GPU layout assignment runs float32 3D convolutions channels-first: such an input exists on the device
-    channels-first, and a host copy of it in Keras' channels-last order is a transposed full-size temporary
-    (4.81 GiB at the 3D U-Net's 432^3 float32 cube, at the decoder's up-sampled tensor). Stored channels-first
-    (logically), the copy is the device buffer's bytes (XLA makes the transpose a bitcast)."""
-    return x.ndim == 5 and x.dtype == jnp.float32
 
 
 def _channels_first(x):

@@ -105,11 +105,11 @@ def _grads(spec, x, scale, cotangent):
 
 
 def stored_channels_first(layer, x) -> bool:
-    """A float32 5-D input normalised over its last axis is stored channels-first (its host copy too): XLA holds a
-    float32 3D convolution's output channels-first on a GPU, and a channels-last host copy of it is a transposed
-    full-size temporary (5.36 GiB at the 3D U-Net's 448^3 float32 cube, beside the windowed convolution's output
-    and the bias-added one: the forward's peak). As ``convolution_backward`` stores such convolution inputs."""
-    return x.ndim == 5 and x.dtype == jnp.float32 and layer.axis % 5 == 4 and not row_windows.on_host(x)
+    """An input XLA holds channels-first (``row_windows.held_channels_first``) normalised over its last axis is
+    stored channels-first, its host copy too: the channels-last copy was a transposed full-size temporary (5.36 GiB
+    at the 3D U-Net's 448^3 float32 cube, beside the windowed convolution's output and the bias-added one: the
+    forward's peak)."""
+    return row_windows.held_channels_first(x) and layer.axis % 5 == 4
 
 
 def normalization_windows(layer, x, slab_bytes: int) -> int:

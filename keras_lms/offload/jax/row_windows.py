@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bounds", "device_rows", "nbytes", "on_host", "over_rows", "row_axis", "window_count"]
+__all__ = ["bounds", "device_rows", "held_channels_first", "nbytes", "on_host", "over_rows", "row_axis",
+           "window_count"]
 
 
 def window_count(nbytes: int, rows: int, slab_bytes: int) -> int:
@@ -125,6 +126,14 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
 def on_host(x) -> bool:
     """``x`` (an array or a tracer) lives in host memory (``jax.memory.Space.Host``)."""
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def held_channels_first(x) -> bool:
+    """XLA's GPU layout assignment runs float32 3D convolutions channels-first, so a float32 5-D activation exists
+    on the device channels-first, and a host copy of it in Keras' channels-last order is a transposed full-size
+    temporary (4.81 GiB at the 3D U-Net's 432^3 float32 cube, at the decoder's up-sampled tensor). Stored
+    channels-first (logically), the copy is the device buffer's bytes (XLA makes the transpose a bitcast)."""
+    return x.ndim == 5 and x.dtype == jnp.float32 and not on_host(x)
 
 
 def _on_device(x):
