@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_lms.offload.jax import row_windows
+from keras_lms.offload.jax import convolutions, row_windows
 from keras_lms.offload.jax.lean import kernel_and_bias
 
 __all__ = ["OVERWRITE", "WINDOWED", "windowed_pullback"]
@@ -40,7 +40,7 @@ def windowed_pullback(layer, count: int, windows: int):
     if not WINDOWED or indices is None or windows < 2:
         return None
     kernel_index, bias_index = indices
-    halos = tuple(d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate))
+    halos = tuple(convolutions.halos(layer))
     spec = (halos, tuple(layer.dilation_rate), kernel_index, bias_index, len(layer.trainable_variables), count,
             windows)
 

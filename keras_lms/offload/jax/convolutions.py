@@ -79,6 +79,12 @@ class ConcatenatedInputs:
         return parts
 
 
+def halos(layer) -> list:
+    """The rows a "same" convolution's output row reads on each side, per spatial axis (its windows widen by
+    these, zero beyond the tensor's edges)."""
+    return [d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate)]
+
+
 def window_count(layer, inputs, slab_bytes: int) -> int:
     """How many windows of rows the call's forward runs in: its inputs' bytes over ``slab_bytes`` (1: whole)."""
     if not (WINDOWED and slab_bytes and windowable(layer)) or len(inputs[0].shape) < 3:
@@ -138,7 +144,7 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
         # one rounding, as the convolution of the concatenation rounds: the partial sums in float32
         return _sum(_wide_convolution(layer, x, k, layer.padding) for x, k in zip(inputs, kernels)).astype(
             inputs[0].dtype)
-    halos = [d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation_rate)]
+    widths = halos(layer)
     bounds = row_windows.bounds(inputs[0].shape[1], windows)
     # The output buffer is made only once every input exists as the windows read it (XLA would otherwise
     # allocate it first, beside an input and that input's copy in another layout).
@@ -150,8 +156,8 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
             inputs, out = jax.lax.optimization_barrier((inputs, out))
         pieces = []
         for x, k in zip(inputs, kernels):  # (a part parked in host memory: only the window's rows come back)
-            rows = row_windows.device_rows(x, a, b, halos[0], 1)
-            padding = [(0, 0), (0, 0)] + [(h, h) for h in halos[1:]] + [(0, 0)]
+            rows = row_windows.device_rows(x, a, b, widths[0], 1)
+            padding = [(0, 0), (0, 0)] + [(h, h) for h in widths[1:]] + [(0, 0)]
             pieces.append(_wide_convolution(layer, jnp.pad(rows, padding), k, "valid"))
         out = jax.lax.dynamic_update_slice_in_dim(out, _sum(pieces).astype(out.dtype), a, axis=1)
     return out

@@ -67,10 +67,6 @@ def _arrays(shapes, dtypes, batch_size: int) -> list:
     return [jax.ShapeDtypeStruct(tuple(_shape(s, batch_size)), d) for s, d in zip(shapes, dtypes)]
 
 
-def _halo(unit) -> int:
-    return unit.dilation_rate[0] * (unit.kernel_size[0] - 1) // 2
-
-
 def _concatenations(calls) -> dict:
     """Output key of a channel (last-axis) Concatenate call of several parts -> its index."""
     found = {}
@@ -129,7 +125,8 @@ def window_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         return {}
     plans = {}
     for c, (reader, windows) in _read_concatenations(calls, offloaded, batch_size, slab_bytes).items():
-        plans[reader] = WindowPlan(windows, _shape(calls[c].shapes[0], batch_size)[1], _halo(calls[reader].unit),
+        plans[reader] = WindowPlan(windows, _shape(calls[c].shapes[0], batch_size)[1],
+                                   convolutions.halos(calls[reader].unit)[0],
                                    host_parts=tuple(p for p, _, _ in _parked_parts(calls, c)))
     for i, call in enumerate(calls):
         if i in plans or not any(offloaded[i]) or not call.shapes or any(d is None for d in call.shapes[0][1:]):
@@ -140,7 +137,7 @@ def window_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         arrays = _arrays(call.shapes, call.dtypes, batch_size)
         windows, halo, passes = convolutions.window_count(unit, arrays, slab_bytes), 0, 1
         if windows > 1:
-            halo = _halo(unit)
+            halo = convolutions.halos(unit)[0]
         elif len(arrays) == 1:  # (the step's own counts: ``step``, ``lean``, ``lean_norm``)
             windows = convolutions.transposed_window_count(unit, arrays, slab_bytes)
             if windows <= 1 and lean_layer(unit, call.dtypes[0]) and row_windows.row_axis(len(shape), [unit.axis]) == 1:
