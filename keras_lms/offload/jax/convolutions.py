@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_lms import _keras_adapter as adapter
-from keras_lms.offload.jax import lean, row_windows
+from keras_lms.offload.jax import in_place, lean, row_windows
 
 SPLIT_PARTS = True  # False: a convolution reads the concatenation (the control of the compiled-program tests)
 WINDOWED = True  # False: every forward runs whole (the control)
@@ -150,17 +150,40 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
     # allocate it first, beside an input and that input's copy in another layout).
     # (Keras casts the input and the kernel to the compute dtype: the output's too)
     inputs, zero = jax.lax.optimization_barrier((tuple(inputs), jnp.zeros((), inputs[0].dtype)))
-    out = jnp.broadcast_to(zero, (*inputs[0].shape[:-1], kernel.shape[-1]))
+    shape = (*inputs[0].shape[:-1], kernel.shape[-1])
+    halo = widths[0]
+    # written over its input where it can be (`_over_input`): the rows the next window reads below its start
+    # are then copied (``carry``) before this window's rows are written
+    over = _over_input(inputs, shape) and all(b - a >= halo for a, b in bounds)
+    out = inputs[0] if over else jnp.broadcast_to(zero, shape)
+    carry = None
+    padding = [(0, 0), (0, 0)] + [(h, h) for h in widths[1:]] + [(0, 0)]
     for i, (a, b) in enumerate(bounds):  # (b - a rows, widened by the halo: zero rows beyond the edges)
         if i:  # this window's input is cut once the previous window's output is written
-            inputs, out = jax.lax.optimization_barrier((inputs, out))
+            inputs, out, carry = jax.lax.optimization_barrier((inputs, out, carry))
         pieces = []
         for x, k in zip(inputs, kernels):  # (a part parked in host memory: only the window's rows come back)
-            rows = row_windows.device_rows(x, a, b, widths[0], 1)
-            padding = [(0, 0), (0, 0)] + [(h, h) for h in widths[1:]] + [(0, 0)]
+            if over and carry is not None:
+                rows = jnp.concatenate([carry, row_windows.device_rows(out, a + halo, b, halo, 1)], axis=1)
+            else:
+                rows = row_windows.device_rows(out if over else x, a, b, halo, 1)
             pieces.append(_wide_convolution(layer, jnp.pad(rows, padding), k, "valid"))
-        out = jax.lax.dynamic_update_slice_in_dim(out, _sum(pieces).astype(out.dtype), a, axis=1)
+        piece = _sum(pieces).astype(out.dtype)
+        if over and halo:
+            carry = jax.lax.slice_in_dim(out, b - halo, b, axis=1)
+            carry, piece = jax.lax.optimization_barrier((carry, piece))
+        out = jax.lax.dynamic_update_slice_in_dim(out, piece, a, axis=1)
     return out
+
+
+def _over_input(inputs, shape) -> bool:
+    """The windowed output can be written over its one input: same shape and dtype, on the device (a part parked
+    in host memory is read, never written). Its host copy for the backward is made before the forward runs
+    (``host_residuals``); a later reader of the input would make XLA copy it first, so values never change.
+    At the 3D U-Net's 496^3 float32 cube the decoder's last convolution held its input and its output, 7.27 GiB
+    each: the step's peak (docs/jax_findings.md)."""
+    return (in_place.IN_PLACE and len(inputs) == 1 and tuple(inputs[0].shape) == tuple(shape)
+            and not row_windows.on_host(inputs[0]))
 
 
 def _wide_convolution(layer, x, kernel, padding):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from keras import activations, layers
 
-from keras_lms.offload.jax import row_windows
+from keras_lms.offload.jax import in_place, row_windows
 from keras_lms.offload.jax.lean_norm import lean_batchnorm_pullback
 
 __all__ = ["block_conv_transpose", "block_max_pool", "block_transpose_windows", "kernel_and_bias", "lean_pullback_for"]
@@ -138,6 +138,9 @@ def lean_pullback_for(layer, trainable, arrays, kwargs=None, normalization: bool
     lean_norm = lean_batchnorm_pullback(layer, trainable, arrays, kwargs or {}, slab_bytes) if normalization else None
     if lean_norm is not None:
         return lean_norm
+    relu = in_place.relu_pullback(layer, arrays, kwargs or {}, slab_bytes)
+    if relu is not None:
+        return relu
     if len(arrays) == 1 and block_max_pool(layer, arrays[0].shape) and not trainable:
         pool = tuple(layer.pool_size)
 

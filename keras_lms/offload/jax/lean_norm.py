@@ -34,7 +34,7 @@ import keras
 
 from keras_lms.offload.jax import row_windows
 
-__all__ = ["lean_batchnorm_pullback", "lean_layer", "normalization_windows"]
+__all__ = ["eligible_call", "lean_batchnorm_pullback", "lean_layer", "normalization_windows"]
 
 OVERWRITE = True  # False: the windowed input gradient gets a buffer of its own (the compiled tests' control)
 
@@ -47,7 +47,7 @@ def lean_layer(layer, dtype) -> bool:
             and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize <= 4)
 
 
-def _eligible(layer, arrays, kwargs) -> bool:
+def eligible_call(layer, arrays, kwargs) -> bool:
     """``lean_layer``, called in training with batch statistics (trainable), on one unmasked input."""
     if len(arrays) != 1 or not lean_layer(layer, arrays[0].dtype):
         return False
@@ -124,7 +124,7 @@ def lean_batchnorm_pullback(layer, trainable, arrays, kwargs, slab_bytes: int = 
     None; the maker returns a ``jax.tree_util.Partial`` whose leaves are the residuals (the input, the scale).
     An input larger than ``slab_bytes`` (``LMSConfig.slab_bytes``; 0: never) is differentiated in windows of
     rows."""
-    if not _eligible(layer, arrays, kwargs):
+    if not eligible_call(layer, arrays, kwargs):
         return None
     variables = list(layer.trainable_variables)
     scale_index = next((i for i, v in enumerate(variables) if layer.scale and v is layer.gamma), None)

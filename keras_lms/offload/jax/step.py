@@ -14,7 +14,7 @@ import jax
 import keras
 
 from keras_lms.offload import common
-from keras_lms.offload.jax import convolutions, parking, row_windows
+from keras_lms.offload.jax import convolutions, in_place, parking, row_windows
 from keras_lms.offload.jax.convolution_backward import windowed_pullback
 from keras_lms.offload.jax.convolutions import ConcatenatedInputs, convolution_call, window_count
 from keras_lms.offload.jax.devices import validate_host_device
@@ -69,6 +69,8 @@ class StepContext(common.InterceptingContext):
                 args = tuple(self.parked.host_copy(p) for p in args)
         elif not kwargs and (blocks := convolutions.transposed_window_count(unit, args, self.config.slab_bytes)) > 1:
             forward = convolutions.block_transpose_call(unit, own, blocks)  # (its lean backward: in windows too)
+        elif (rows := in_place.in_place_windows(unit, args, kwargs, self.config.slab_bytes)) > 1:
+            forward = in_place.in_place_call(unit, own, rows)  # written over its input (its backward: as before)
         # The plan chose this call for its input bytes; what goes to host is what its backward reads, from the
         # same threshold (the layer's weights always stay).
         return host_residual_call(unit, original, *args, min_bytes=self.config.min_bytes, forward_call=forward,
