@@ -152,21 +152,24 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
     inputs, zero = jax.lax.optimization_barrier((tuple(inputs), jnp.zeros((), inputs[0].dtype)))
     shape = (*inputs[0].shape[:-1], kernel.shape[-1])
     halo = widths[0]
-    # written over its input where it can be (`_over_input`): the rows the next window reads below its start
+    # written over an input where it can be (`_over_input`): the rows the next window reads of it below its start
     # are then copied (``carry``) before this window's rows are written
-    over = _over_input(inputs, shape) and all(b - a >= halo for a, b in bounds)
-    out = inputs[0] if over else jnp.broadcast_to(zero, shape)
+    target = _over_input(inputs, shape)
+    over = target is not None and all(b - a >= halo for a, b in bounds)
+    out = inputs[target] if over else jnp.broadcast_to(zero, shape)
+    if over:  # (read from ``out`` from here: the input itself must not stay live beside it)
+        inputs = tuple(None if j == target else x for j, x in enumerate(inputs))
     carry = None
     padding = [(0, 0), (0, 0)] + [(h, h) for h in widths[1:]] + [(0, 0)]
     for i, (a, b) in enumerate(bounds):  # (b - a rows, widened by the halo: zero rows beyond the edges)
         if i:  # this window's input is cut once the previous window's output is written
             inputs, out, carry = jax.lax.optimization_barrier((inputs, out, carry))
         pieces = []
-        for x, k in zip(inputs, kernels):  # (a part parked in host memory: only the window's rows come back)
-            if over and carry is not None:
+        for j, (x, k) in enumerate(zip(inputs, kernels)):  # (a part parked on host: only the window's rows come)
+            if x is None and carry is not None:
                 rows = jnp.concatenate([carry, row_windows.device_rows(out, a + halo, b, halo, 1)], axis=1)
             else:
-                rows = row_windows.device_rows(out if over else x, a, b, halo, 1)
+                rows = row_windows.device_rows(out if x is None else x, a, b, halo, 1)
             pieces.append(_wide_convolution(layer, jnp.pad(rows, padding), k, "valid"))
         piece = _sum(pieces).astype(out.dtype)
         if over and halo:
@@ -176,14 +179,17 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
     return out
 
 
-def _over_input(inputs, shape) -> bool:
-    """The windowed output can be written over its one input: same shape and dtype, on the device (a part parked
-    in host memory is read, never written). Its host copy for the backward is made before the forward runs
-    (``host_residuals``); a later reader of the input would make XLA copy it first, so values never change.
-    At the 3D U-Net's 496^3 float32 cube the decoder's last convolution held its input and its output, 7.27 GiB
-    each: the step's peak (docs/jax_findings.md)."""
-    return (in_place.IN_PLACE and len(inputs) == 1 and tuple(inputs[0].shape) == tuple(shape)
-            and not row_windows.on_host(inputs[0]))
+def _over_input(inputs, shape) -> int | None:
+    """The input the windowed output can be written over (its shape and the output's dtype, on the device: a part
+    parked in host memory is read, never written), or None. Its host copy for the backward is made before the
+    forward runs (``host_residuals``); a later reader of the input would make XLA copy it first, so values never
+    change. At the 3D U-Net's 496^3 float32 cube the decoder's last convolution held its input and its output,
+    7.27 GiB each (the step's peak), and at 624^3 mixed_float16 its first held the up-sampled part and its output
+    (docs/jax_findings.md)."""
+    if not in_place.IN_PLACE:
+        return None
+    return next((j for j, x in enumerate(inputs) if tuple(x.shape) == tuple(shape) and x.dtype == inputs[0].dtype
+                 and not row_windows.on_host(x)), None)
 
 
 def _wide_convolution(layer, x, kernel, padding):

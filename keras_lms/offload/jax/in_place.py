@@ -73,7 +73,10 @@ def in_place_call(layer, original, windows: int):
             compute = keras.backend.result_type(inputs.dtype, "float32")
             axes = adapter.batchnorm_reduction_axes(layer, inputs)
             moments = keras.ops.moments(keras.ops.cast(inputs, compute), axes=axes)
-        dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+        # the dtype the layer's own call returns (Keras' tanh of a float64 input is float32, for one)
+        spec = jax.ShapeDtypeStruct((inputs.shape[0], 1, *inputs.shape[2:]), inputs.dtype)
+        dtype = (keras.backend.standardize_dtype(layer.compute_dtype) if normalization
+                 else jax.eval_shape(lambda rows: original(rows, **kwargs), spec).dtype)
         # each window's call updates the moving statistics from the values before the call, as the whole call
         # does (once): every window's update is the same, and the state after is one of them
         state = list(layer.non_trainable_variables)
