@@ -165,7 +165,7 @@ def _convolve(layer, convolution_op, inputs, kernel, windows: int):
         if i:  # this window's input is cut once the previous window's output is written
             inputs, out, carry = jax.lax.optimization_barrier((inputs, out, carry))
         pieces = []
-        for j, (x, k) in enumerate(zip(inputs, kernels)):  # (a part parked on host: only the window's rows come)
+        for x, k in zip(inputs, kernels):  # (a part parked on host: only the window's rows come back)
             if x is None and carry is not None:
                 rows = jnp.concatenate([carry, row_windows.device_rows(out, a + halo, b, halo, 1)], axis=1)
             else:

@@ -45,6 +45,7 @@ OFFLOAD_NAME = "keras_lms_offload"
 DEFAULT_MIN_BYTES = 256 << 10
 BARRIERS = frozenset({"forward", "backward", "gradients"})
 STREAMED = True  # False: host residuals come back whole even for a windowed rule (the compiled tests' control)
+WINDOWED_COPIES = True  # False: large residuals go to host whole (the control)
 
 
 def _is_array(leaf) -> bool:
@@ -107,6 +108,14 @@ def _save_all_but_constants(prim, *_, **__) -> bool:
     Recomputed in the backward, it fuses into its consumer and takes no memory.
     """
     return prim.name not in _RECOMPUTED
+
+
+def _copy_windows(value, slab_bytes: int) -> int:
+    """In how many windows of rows a residual is copied to host (``row_windows.host_copy``): its bytes over
+    ``slab_bytes`` (1: whole)."""
+    if not WINDOWED_COPIES or value.ndim < 3:
+        return 1
+    return row_windows.window_count(_nbytes(value), value.shape[1], slab_bytes)
 
 
 def _nbytes(value) -> int:
@@ -181,7 +190,7 @@ def host_residual_call(layer, original: Callable, *args: Any, min_bytes: int = D
                     and not row_windows.on_host(leaf)):
                 offloaded.append(i)
                 seen.add(id(leaf))
-        on_host = [jax.device_put(residuals[i], jax.memory.Space.Host) for i in offloaded]
+        on_host = [row_windows.host_copy(residuals[i], _copy_windows(residuals[i], slab_bytes)) for i in offloaded]
         if forward_call is not None:
             # The outputs computed another way (the pullback's own forward is then unread, and XLA removes it),
             # after the copies to host: their layout conversions are made and freed before it runs.

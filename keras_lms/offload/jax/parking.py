@@ -35,13 +35,7 @@ def parked(x, windows: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _parked(windows, x):
-    if windows <= 1 or x.ndim < 3:
-        return x, jax.device_put(x, jax.memory.Space.Host)
-    # a window of rows at a time: XLA holds a float32 5-D tensor channels-first, and its channels-last host copy
-    # would otherwise be made from a transposed full-size copy on the device (the forward's peak at 480^3)
-    _, copy = row_windows.over_rows(lambda rows: ((), rows), [x], [1], x.shape[1], windows,
-                                    out=(x.shape, x.dtype, 1, True))
-    return x, copy
+    return x, row_windows.host_copy(x, windows)  # (a window of rows at a time: no transposed full-size copy)
 
 
 def _parked_forward(windows, x):

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bounds", "device_rows", "held_channels_first", "nbytes", "on_host", "over_rows", "row_axis",
-           "window_count"]
+__all__ = ["bounds", "device_rows", "held_channels_first", "host_copy", "nbytes", "on_host", "over_rows",
+           "row_axis", "window_count"]
 
 
 def window_count(nbytes: int, rows: int, slab_bytes: int) -> int:
@@ -121,6 +121,18 @@ def over_rows(fn: Callable, arrays: Sequence, scales: Sequence[int], rows: int, 
             if k is not None:
                 arrays[k] = buffers[j]
     return total, (buffers if isinstance(out, list) else (buffers[0] if buffers else None))
+
+
+def host_copy(x, windows: int):
+    """A copy of ``x`` in host memory, made a window of rows (of axis 1) at a time when ``windows`` > 1: XLA holds
+    a 5-D activation channels-first (a float32 one, and the float16 input of a convolution), and its channels-last
+    host copy would otherwise be made from a transposed full-size copy on the device (the forward's peak at the 3D
+    U-Net's 480^3 float32 cube, for the parked skip, and at 624^3 mixed_float16, for the head's input); a
+    window's transpose is a window."""
+    if windows <= 1 or x.ndim < 3:
+        return jax.device_put(x, jax.memory.Space.Host)
+    _, copy = over_rows(lambda rows: ((), rows), [x], [1], x.shape[1], windows, out=(x.shape, x.dtype, 1, True))
+    return copy
 
 
 def on_host(x) -> bool:
