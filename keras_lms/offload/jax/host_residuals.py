@@ -115,7 +115,7 @@ def _copy_windows(value, slab_bytes: int) -> int:
     ``slab_bytes`` (1: whole)."""
     if not WINDOWED_COPIES or value.ndim < 3:
         return 1
-    return row_windows.window_count(_nbytes(value), value.shape[1], slab_bytes)
+    return row_windows.window_count(row_windows.nbytes(value), value.shape[1], slab_bytes)
 
 
 def _nbytes(value) -> int:

@@ -46,9 +46,8 @@ def _normalization(layer, arrays, kwargs) -> bool:
 
 def _elementwise(layer, arrays, kwargs) -> bool:
     """A layer whose call maps each element alone (``layer_facts.slab_halo`` 0: ReLU, LeakyReLU, ELU, an
-    ``Activation`` of one of Keras' element-wise functions), called on one array alone."""
-    return (type(layer) in _ACTIVATIONS and len(arrays) == 1 and not kwargs
-            and layer_facts.slab_halo(layer, arrays[0].ndim) == 0)
+    ``Activation`` of one of Keras' element-wise functions), called without keyword arguments."""
+    return type(layer) in _ACTIVATIONS and not kwargs and layer_facts.slab_halo(layer, arrays[0].ndim) == 0
 
 
 def in_place_windows(layer, arrays, kwargs, slab_bytes: int) -> int:
@@ -110,7 +109,7 @@ def relu_pullback(layer, arrays, kwargs, slab_bytes: int):
     rows from host as it goes. JAX's pullback made it a new full-size buffer beside the output gradient: with
     BatchNormalization's gradient after it, the 3D U-Net's first-level backward held two full-size float32
     gradients (docs/jax_findings.md)."""
-    if layer_facts.standalone_activation(layer) != "relu" or kwargs:
+    if layer_facts.standalone_activation(layer) != "relu":
         return None
     windows = in_place_windows(layer, arrays, kwargs, slab_bytes)
     if windows <= 1:
