@@ -49,7 +49,8 @@ def cases() -> list:
     slab cases cut every large call in 4-8 slabs; "unfused" turns the fused BatchNorm -> ReLU -> convolution
     chains off (slab_chains.ENABLED); "halo rows convolved" turns exact-row convolution slabs off
     (slab_plan.EXACT_ROWS: every slab convolves its whole window "same" and crops, the control of slab_rows);
-    "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps."""
+    "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps; "swept" and
+    "swept, held" sweep every run, the second holding its convolution outputs between the passes."""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
     slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
@@ -69,7 +70,11 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5), no sweeps", unet3d, 1,
              {**slabs3d, "device_profile": "h100-pcie5"}, True, True, False),
             ("2D U-Net 2x64x64, slabs of 32 KiB, recomputed (h100-pcie5), no sweeps", unet2d, 2,
-             {**slabs2d, "device_profile": "h100-pcie5"}, True, True, False)]
+             {**slabs2d, "device_profile": "h100-pcie5"}, True, True, False),
+            # every level swept, without and with its convolution outputs held between the passes (sweeps.FORCED,
+            # HELD_FORCED): the control and the held plan differ in nothing else
+            ("3D U-Net 1x32^3, slabs of 64 KiB, swept", unet3d, 1, slabs3d, True, True, True, False),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, swept, held", unet3d, 1, slabs3d, True, True, True, True)]
 
 
 def large_cases(edge: int, profile: str) -> list:
@@ -94,7 +99,7 @@ def _plain_simulation(builder, batch, model, x_shape, y_shape):
     return _PLAIN[key]
 
 
-def measure(label, builder, batch, settings, fused, exact=True, sweep=True) -> dict:
+def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held=None) -> dict:
     from keras_lms.offload.tensorflow import slab_chains, slab_plan, sweeps
 
     model = build(builder)
@@ -103,6 +108,8 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True) -> d
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
     slab_plan.EXACT_ROWS = exact
     sweeps.ENABLED = sweep
+    if held is not None:  # every sweep forced, its units held or not
+        sweeps.FORCED, sweeps.HELD_FORCED = True, held
     try:
         wrapped = keras_lms.wrap(model, **settings)
         sim = simulated_gpu.simulate(wrapped, x_shape, y_shape, graph_memory=False)
@@ -110,6 +117,7 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True) -> d
         rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:], device_profile=TIMING_PROFILE)
     finally:
         slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = True
+        sweeps.FORCED = sweeps.HELD_FORCED = False
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
                 measured_out=sim.gpu.sent_bytes - plain.gpu.sent_bytes,
@@ -120,6 +128,8 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True) -> d
                 fused_chains=sum(r["decision"] == "recompute" for r in rep.rows),
                 recomputed=sum(e.recomputed_output for e in wrapped.lms_plan or wrapped.plan(batch)),
                 swept=sum(e.sweep is not None for e in wrapped.lms_plan or wrapped.plan(batch)),
+                held=sum(len(e.sweep_held) for e in wrapped.lms_plan or wrapped.plan(batch) if e.sweep
+                         and e.index == e.sweep[0]),
                 peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],
                 report_recompute_flops=rep.times["as planned"].recompute_flops,
                 measured_recompute_flops=sim.conv_flops - plain.conv_flops, plain_conv_flops=plain.conv_flops,

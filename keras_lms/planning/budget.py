@@ -81,7 +81,14 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
                                                         static_bytes, update_bytes)
             if not kept:
                 break
+        if not HOLDS_EARLY:
+            plan_sweep_windows(calls, entries, config, facts, batch_size,
+                               lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                          update_bytes, swept=swept))
     return entries
+
+
+HOLDS_EARLY = False
 
 
 def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
@@ -103,7 +110,7 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
         if config.device_budget is not None:
             plan_sweep_windows(calls, entries, config, facts, batch_size,
                                lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                          update_bytes, swept=swept))
+                                                          update_bytes, swept=swept), holds=HOLDS_EARLY)
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
             ahead = planned_prefetch(entries, config.prefetch)
             plan_short_chains(calls, entries, facts, batch_size,

@@ -43,6 +43,8 @@ class PlanEntry:
             input, ``offload.tensorflow.sweeps``); None otherwise.
         sweep_windows: how many slab windows that sweep's passes cut the run into (thinner windows hold less
             device memory and recompute more halo rows; the planner chooses); None outside a sweep.
+        sweep_held: the unit numbers (from 1) of that sweep whose convolution outputs its passes hold on the device
+            from the first pass to their own instead of convolving again (``Sweep.held``); empty: none.
         parked_inputs: positions of this call's inputs that go to host memory right after it, for a far later
             reader that reads them from there a window of rows at a time (``BackendFacts.parked_inputs``: JAX's
             U-Net skips, read by the decoder's windowed convolution); empty: none.
@@ -71,6 +73,7 @@ class PlanEntry:
     recomputed_inputs: list = dataclasses.field(default_factory=list)
     sweep: tuple | None = None
     sweep_windows: int | None = None
+    sweep_held: tuple = ()
     prefetch: int | None = None
     parked_inputs: list = dataclasses.field(default_factory=list)
 
@@ -150,6 +153,7 @@ class CallDecision:
     recompute_from: tuple | None = None  # (source call, call in between): PlanEntry.recompute_from
     sweep: tuple | None = None  # the call indices of its level sweep: PlanEntry.sweep
     sweep_windows: int | None = None  # PlanEntry.sweep_windows
+    sweep_held: tuple = ()  # PlanEntry.sweep_held
 
     @property
     def offloaded(self) -> bool:
@@ -203,9 +207,16 @@ def planned_prefetch(entries, default: int) -> int:
 
 
 def planned_sweeps(entries) -> dict:
-    """The level sweeps a plan runs: first call -> the windows its passes cut the run into (``PlanEntry.sweep``,
-    ``PlanEntry.sweep_windows``)."""
-    return {e.sweep[0]: e.sweep_windows for e in entries if getattr(e, "sweep", None) and e.index == e.sweep[0]}
+    """The level sweeps a plan runs: first call -> its setting (``sweep_setting``: the windows its passes cut
+    the run into, ``PlanEntry.sweep_windows``, and with held units ``(windows, PlanEntry.sweep_held)``)."""
+    return {e.sweep[0]: (e.sweep_windows, tuple(e.sweep_held)) if getattr(e, "sweep_held", ()) else e.sweep_windows
+            for e in entries if getattr(e, "sweep", None) and e.index == e.sweep[0]}
+
+
+def sweep_setting(value) -> tuple:
+    """``(windows, held)`` of a sweep's setting in a ``swept`` mapping: the windows alone (None: the sweep's
+    default), or ``(windows, held units)``."""
+    return tuple(value) if isinstance(value, tuple) else (value, ())
 
 
 def planned_short_chains(entries) -> frozenset:
@@ -216,12 +227,18 @@ def planned_short_chains(entries) -> frozenset:
 
 
 def chosen_sweeps(facts, calls, offloaded, slabs: dict, swept) -> list:
-    """The back end's sweeps (``BackendFacts.slab_sweeps``) that ``swept`` (first call -> windows, as
-    ``planned_sweeps`` gives it) runs, each with its planned windows."""
+    """The back end's sweeps (``BackendFacts.slab_sweeps``) that ``swept`` (first call -> setting, as
+    ``planned_sweeps`` gives it) runs, each with its planned windows and held units."""
     if not swept or not slabs:
         return []
-    return [dataclasses.replace(s, windows=swept[s.first] or s.windows)
-            for s in facts.slab_sweeps(calls, offloaded, slabs) if s.first in swept]
+    chosen = []
+    for s in facts.slab_sweeps(calls, offloaded, slabs):
+        if s.first in swept:
+            windows, held = sweep_setting(swept[s.first])
+            allowed = set().union(*s.hold_options)  # a re-planned run (a call kept) may have fewer units
+            chosen.append(dataclasses.replace(s, windows=windows or s.windows,
+                                              held=tuple(j for j in held if j in allowed)))
+    return chosen
 
 
 def planned_slab_bytes(entries, default: int = 0) -> int:

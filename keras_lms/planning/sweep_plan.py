@@ -9,7 +9,7 @@ forward work (each unit once per pass that needs it). On a PCIe GPU that pays at
 
 from __future__ import annotations
 
-from keras_lms.planning.plan import planned_slab_bytes, planned_sweeps
+from keras_lms.planning.plan import planned_slab_bytes, planned_sweeps, sweep_setting
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 
@@ -26,7 +26,7 @@ def plan_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     if not candidates:
         return
     if facts.forced_sweeps():
-        chosen = {s.first: s.windows for s in candidates}
+        chosen = {s.first: (s.windows, s.held) if s.held else s.windows for s in candidates}
     else:
         chosen, best = {}, seconds({})
         for sweep in candidates:
@@ -59,12 +59,14 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
         _mark_sweeps(calls, entries, candidates, chosen, config)
 
 
-def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits) -> None:
-    """Thicker windows where the device budget has room: for each planned sweep in turn, its other window counts
-    (``Sweep.window_options``: as thick as its units' slabs), kept where the plan still ``fits(swept)`` (the
-    memory model with the budget margin) and the predicted step is shorter. Why: a pass holds every unit's
-    window at once, so the default windows are half a slab thick, which recomputes twice the halo rows; at
-    384^3 float32 with a 16 GiB budget that halo is 15% of the predicted step (docs/design.md, "Level sweeps")."""
+def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, holds: bool = True) -> None:
+    """Thicker windows and held units where the device budget has room: for each planned sweep in turn, its other
+    window counts (``Sweep.window_options``: as thick as its units' slabs) and its sets of held units
+    (``Sweep.hold_options``: convolution outputs kept on the device between the passes), kept where the plan
+    still ``fits(swept)`` (the memory model with the budget margin) and the predicted step is shorter. Why: a
+    pass holds every unit's window at once, so the default windows are half a slab thick, which recomputes twice
+    the halo rows (at 384^3 float32 with a 16 GiB budget 15% of the predicted step, docs/design.md, "Level
+    sweeps"); and without held units each pass B convolves again what pass A convolved."""
     chosen = planned_sweeps(entries)
     if not chosen:
         return
@@ -74,13 +76,15 @@ def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits) -> 
         if sweep.first not in chosen:
             continue
         for windows in sweep.window_options:
-            if windows == chosen[sweep.first]:
-                continue
-            trial = {**chosen, sweep.first: windows}
-            if fits(trial):
-                t = seconds(trial)
-                if t < best - 1e-9:
-                    chosen, best = trial, t
+            for held in ((),) + (tuple(sweep.hold_options) if holds else ()):
+                setting = (windows, held) if held else windows
+                if setting == chosen[sweep.first]:
+                    continue
+                trial = {**chosen, sweep.first: setting}
+                if fits(trial):
+                    t = seconds(trial)
+                    if t < best - 1e-9:
+                        chosen, best = trial, t
     if chosen != planned_sweeps(entries):
         _mark_sweeps(calls, entries, candidates, chosen, config)
 
@@ -113,22 +117,26 @@ def note_swept_host_bytes(entries) -> None:
 
 
 def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
-    """Record ``chosen`` on the entries: each swept call's ``sweep`` and a note in its reason. A run marked
-    before and not chosen now loses its note alone (``refine_sweeps`` runs after the recompute notes were added
-    behind it)."""
+    """Record ``chosen`` on the entries: each swept call's ``sweep``, windows, held units and a note in its reason.
+    A run marked before and not chosen now loses its note alone (``refine_sweeps`` runs after the recompute notes
+    were added behind it)."""
     why = f"faster on {config.device_profile.name}" if config.device_profile is not None else "forced"
     for sweep in candidates:
         for i in sweep.calls:
             if entries[i].sweep is not None:
-                entries[i].reason = entries[i].reason.replace(_note(calls, sweep, entries[i].sweep_windows, why), "")
-                entries[i].sweep = entries[i].sweep_windows = None
+                note = _note(calls, sweep, entries[i].sweep_windows, entries[i].sweep_held, why)
+                entries[i].reason = entries[i].reason.replace(note, "")
+                entries[i].sweep, entries[i].sweep_windows, entries[i].sweep_held = None, None, ()
             if sweep.first in chosen:
-                entries[i].sweep, entries[i].sweep_windows = sweep.calls, chosen[sweep.first]
-                entries[i].reason += _note(calls, sweep, chosen[sweep.first], why)
+                windows, held = sweep_setting(chosen[sweep.first])
+                entries[i].sweep, entries[i].sweep_windows, entries[i].sweep_held = sweep.calls, windows, held
+                entries[i].reason += _note(calls, sweep, windows, held, why)
 
 
-def _note(calls, sweep, windows: int, why: str) -> str:
+def _note(calls, sweep, windows: int, held: tuple, why: str) -> str:
     """What a swept call's reason says about its sweep."""
     names = ", ".join(calls[i].unit.name for i in sweep.calls)
+    kept = ", ".join(calls[sweep.units[j - 1][0]].unit.name for j in held)
+    held_note = f"; the outputs of {kept} held on the device between the passes" if held else ""
     return (f"; differentiated in a level sweep ({names}): {len(sweep.units) + 1} passes over {windows} slab "
-            f"windows recomputed from {calls[sweep.first].unit.name}'s input ({why})")
+            f"windows recomputed from {calls[sweep.first].unit.name}'s input{held_note} ({why})")

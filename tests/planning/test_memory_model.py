@@ -115,6 +115,8 @@ class _Sweep:
     first: int
     calls: tuple
     windows: int = 4
+    held: tuple = ()
+    hold_options: tuple = ((1,),)
 
 
 class _SweptFacts(BackendFacts):
@@ -131,7 +133,7 @@ class _SweptFacts(BackendFacts):
         return [_Sweep(first=0, calls=(0, 1))]
 
     def sweep_backward_bytes(self, calls, sweep, slabs, input_sizes, output_sizes):
-        return {0: sweep.windows + 3, 1: 11}
+        return {0: sweep.windows + 3 + 100 * len(sweep.held), 1: 11}
 
 
 def test_a_sweeps_calls_hold_what_the_back_end_says_in_their_backward():
@@ -143,3 +145,7 @@ def test_a_sweeps_calls_hold_what_the_back_end_says_in_their_backward():
     assert other.timeline == slabbed.timeline  # a sweep the plan does not run changes nothing
     assert [b - s for b, s in zip(slabbed.timeline, swept.timeline)] == [0, 0, 1000 - 11, 1000 - 7]
     assert [t - s for t, s in zip(thicker.timeline, swept.timeline)] == [0, 0, 0, 4]  # the planned windows
+    held = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept={0: (8, (1,))})
+    unknown = memory_model.simulate(dense_chain(), offloaded, _SweptFacts(), slab_bytes=1, swept={0: (8, (2,))})
+    assert [h - t for h, t in zip(held.timeline, thicker.timeline)] == [0, 0, 0, 100]  # the planned held units
+    assert unknown.timeline == thicker.timeline  # a unit the sweep cannot hold is not held

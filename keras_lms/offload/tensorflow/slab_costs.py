@@ -107,7 +107,8 @@ class SweepTraffic:
 def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) -> SweepTraffic:
     """The windows a sweep's passes read and the forward they recompute, slab by slab, as ``sweep_calls`` runs
     them: pass A recomputes every unit on its slab's rows, pass B_j convolution j on the rows its input gradient
-    reads (``[s0 - h, s1 + h)``) and the units below it on rows widened by each convolution's halo."""
+    reads (``[s0 - h, s1 + h)``) and the units below it on rows widened by each convolution's halo; a held unit
+    (``Sweep.held``) is convolved in pass A only."""
     units = sweep.units
     first = units[0][0]
     length = slabs[first].length
@@ -117,30 +118,43 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
     inputs = [(k, s) for (k, s, _), off in zip(tensors, row) if off]
     costs = {i: call_cost(calls[i], batch_size) for i in sweep.calls}
     reads, work = {}, {}
+    held = set(sweep.held)
+    # TensorFlow prunes the gradient of a model input: such a run's input gradient is never computed
+    from_model_input = not any(set(calls[first].keys) & set(c.output_keys) for c in calls[:first])
 
-    def recompute(owner, j, a, b):
-        """Unit j's output rows [a, b) recomputed (j = 0: the run's input rows read)."""
+    def recompute(owner, j, a, b, first_pass=False):
+        """Unit j's output rows [a, b) recomputed (j = 0: the run's input rows read); a held unit's convolution
+        output is sliced after pass A, so only its normalisation and activation run again."""
         if j == 0:
             for key, _ in inputs:
                 reads[(owner, key)] = reads.get((owner, key), 0) + (b - a)
             return
         conv, bn, act = units[j - 1]
-        h = slabs[conv].halo
         w = work.setdefault(owner, [0.0, 0.0])
+        w[1] += (costs[bn].forward_bytes + costs[act].forward_bytes) * (b - a) / length
+        if j in held and not first_pass:
+            return
+        h = slabs[conv].halo
         w[0] += costs[conv].forward_flops * (b - a) / length
-        w[1] += (costs[bn].forward_bytes + costs[act].forward_bytes + costs[conv].forward_bytes) * (b - a) / length
-        recompute(owner, j - 1, max(0, a - h), min(length, b + h))
+        w[1] += costs[conv].forward_bytes * (b - a) / length
+        recompute(owner, j - 1, max(0, a - h), min(length, b + h), first_pass)
 
     m = len(units)
     for s0, s1 in bounds:
-        recompute(units[-1][2], m, s0, s1)  # pass A
+        recompute(units[-1][2], m, s0, s1, first_pass=True)  # pass A
         for j in range(m, 0, -1):  # pass B_j: convolution j on the rows [s0 - h, s1 + h), the units below wider
             conv, bn, _ = units[j - 1]
             h = slabs[conv].halo
             g0, g1 = max(0, s0 - h), min(length, s1 + h)
             recompute(bn, j, g0, g1)
-            # the weight gradient over those rows too (an exact-row slab backward: the slab's rows only)
-            work[bn][0] += costs[conv].weight_gradient_flops * ((g1 - g0) - (s1 - s0)) / length
+            if j in held:  # its output sliced: its input's rows still give the weight gradient
+                recompute(bn, j - 1, max(0, g0 - h), min(length, g1 + h))
+            # the weight and input gradients over those rows too (an exact-row slab backward: the slab's rows
+            # only; the input gradient's transposed convolution runs over dc's rows and is cropped after)
+            extra = ((g1 - g0) - (s1 - s0)) / length
+            gradients = costs[conv].weight_gradient_flops + (costs[conv].input_gradient_flops
+                                                             if j > 1 or not from_model_input else 0.0)
+            work[bn][0] += gradients * extra
     sizes = dict(inputs)
     out = tuple((owner, key, sizes[key], rows, len(bounds)) for (owner, key), rows in sorted(reads.items()))
     return SweepTraffic(first, frozenset(sweep.calls), tuple(inputs), out, work, len(bounds), length)

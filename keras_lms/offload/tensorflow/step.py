@@ -223,7 +223,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
             self.output_records[record.output_key] = record
         self._note_outputs(unit, tensors, outputs)
         if decision.sweep is not None and index == decision.sweep[-1] and not self.eager:
-            self._bind_sweep(decision.sweep, decision.sweep_windows)
+            self._bind_sweep(decision.sweep, decision.sweep_windows, decision.sweep_held)
         return outputs
 
     def _chain(self, decision, plan, tensors, concatenated):

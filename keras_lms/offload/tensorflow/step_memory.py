@@ -159,7 +159,9 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     A pass holds what the slab backward of the call it differentiates holds (the output gradient, the input
     gradient being assembled, the working windows), at the sweep's windows (``Sweep.windows``): pass
     A at the last activation, pass B_j, convolution j's backward, at BatchNorm j. The other calls only hold the
-    gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``)."""
+    gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``). A held unit's
+    convolution output (``Sweep.held``) is on the device from pass A to pass B_j: charged to every call of the run
+    whose backward runs in between (a run's calls are consecutive: a U-Net level's block)."""
     units = sweep.units
     plan = slabs[units[0][1]]
     windows = dataclasses.replace(plan, bounds=sweeps.sweep_bounds(plan.length, sweep.windows))
@@ -174,6 +176,11 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
     held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows)
+    for j in sweep.held:
+        conv, bn, _ = units[j - 1]
+        for i in sweep.calls:
+            if bn <= i <= last:
+                held[i] += sum(sizes_out[conv])
     return held
 
 

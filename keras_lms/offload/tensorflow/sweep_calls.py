@@ -26,11 +26,15 @@ class SweepRun:
     ``gradients[j]``: BatchNorm j's output gradient, whole (``G_j``); ``first_pass[j]``: its first-pass totals
     (``TotalMoments``); ``normalization_weights[j]``: its scale and offset gradients; ``convolution[j]``: the
     convolution's (input gradients, weight gradients). Units are numbered from 1, in forward order.
+    ``held``: the units whose convolution output pass A keeps, one piece per window in ``outputs[j]``, for the
+    later passes to slice (``sweeps.Sweep.held``).
     """
 
     units: list
     bounds: tuple
     length: int
+    held: frozenset = frozenset()
+    outputs: dict = dataclasses.field(default_factory=dict)
     gradients: dict = dataclasses.field(default_factory=dict)
     first_pass: dict = dataclasses.field(default_factory=dict)
     normalization_weights: dict = dataclasses.field(default_factory=dict)
@@ -47,7 +51,7 @@ class SweepCalls:
     ``_fenced_gradients``)."""
 
     # ------------------------------------------------------------------ forward: bind the run's records
-    def _bind_sweep(self, indices, windows: int) -> None:
+    def _bind_sweep(self, indices, windows: int, held=()) -> None:
         """After the run's last call: give its records their roles, or leave them to the per-call backward (with
         a warning) when the step did not build what the passes need."""
         records = [self.records.get(i) for i in indices]
@@ -57,7 +61,7 @@ class SweepCalls:
             return
         units = [tuple(records[k:k + 3]) for k in range(0, len(records), 3)]
         length = units[0][0].slabs.length
-        run = SweepRun(units, sweep_bounds(length, windows), length)
+        run = SweepRun(units, sweep_bounds(length, windows), length, frozenset(held))
         for j, (conv, bn, act) in enumerate(units, 1):
             conv.sweep, bn.sweep, act.sweep = (run, "conv", j), (run, "bn", j), (run, "act", j)
 
@@ -87,9 +91,10 @@ class SweepCalls:
         m = run.size
         _, bn, act = run.units[m - 1]
         direct = output_gradients.input_gradient_from_output(act.unit)
+        run.outputs = {j: [] for j in run.held}
         pieces, parts, finished = [], [], [None, None]
         for s0, s1 in run.bounds:
-            c, r = self._sweep_rows(run, m, s0, s1, finished[0], trigger, reader)
+            c, r = self._sweep_rows(run, m, s0, s1, finished[0], trigger, reader, window=(s0, s1))
             with on_device(reader.compute_device):
                 with slabs.gated([finished[1]]):
                     dy_rows = slabs.rows(dy, s0, s1)
@@ -130,13 +135,17 @@ class SweepCalls:
                 padded = [slabs.halo_padded(x, plan, g0, g1, lo, hi) for x in xs]
                 with tf.GradientTape(watch_accessed_variables=False) as weight_tape:
                     weight_tape.watch(weights)
-                    c = tf.nest.flatten(self._slab_call(conv, padded, conv.trainable)[0])[0]
+                    convolved = tf.nest.flatten(self._slab_call(conv, padded, conv.trainable)[0])[0]
+                c = convolved
+                if j in run.held:  # pass A's rows: the convolution above is read by its weight gradient alone,
+                    with slabs.gated([gate]):  # which needs only its input, so TensorFlow prunes it
+                        c = _held_rows(run, j, g0, g1)
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(c)
                     y = tf.nest.flatten(self._slab_call(bn, [c], bn.trainable, totals)[0])[0]
                 dc = tape.gradient(y, c, output_gradients=g_rows)  # rows [g0, g1) of dc_j
                 own = pad_own_rows(dc, s0 - g0, s1 - g0)  # each output row's weight gradient once
-                weight_grads = weight_tape.gradient(c, weights, output_gradients=own)
+                weight_grads = weight_tape.gradient(convolved, weights, output_gradients=own)
                 input_grads = [slabs.rows(d, s0 - g0, s1 - g0)
                                for d in self._exact_input_gradients(conv, xs, dc)]
                 done = [g for g in weight_grads if g is not None]
@@ -177,20 +186,30 @@ class SweepCalls:
                     windows.append(slabs.rows(kept, a, b))
         return windows
 
-    def _sweep_rows(self, run, j, a, b, gate, trigger, reader):
+    def _sweep_rows(self, run, j, a, b, gate, trigger, reader, window=None):
         """(``c_j``, ``r_j``) rows [a, b): unit j's forward recomputed, with the forward's statistics and weights,
-        from its input's rows widened by the convolution's halo (recursively down to the run's input)."""
+        from its input's rows widened by the convolution's halo (recursively down to the run's input); a held
+        unit's ``c_j`` sliced from pass A's pieces. In pass A (``window``: its rows ``(s0, s1)``) a held unit's
+        rows of that window are kept as its piece."""
         conv, bn, act = run.units[j - 1]
         plan = conv.slabs
-        lo, hi = max(0, a - plan.halo), min(run.length, b + plan.halo)
-        if j == 1:
-            xs = self._sweep_input_windows(run, lo, hi, gate, trigger, reader)
-        else:
-            xs = [self._sweep_rows(run, j - 1, lo, hi, gate, trigger, reader)[1]]
         mean, variance, _ = bn.moments[0]
+        if j in run.held and window is None:
+            with on_device(reader.compute_device), slabs.gated([gate]):
+                c = _held_rows(run, j, a, b)
+        else:
+            lo, hi = max(0, a - plan.halo), min(run.length, b + plan.halo)
+            if j == 1:
+                xs = self._sweep_input_windows(run, lo, hi, gate, trigger, reader)
+            else:
+                xs = [self._sweep_rows(run, j - 1, lo, hi, gate, trigger, reader, window)[1]]
+            with on_device(reader.compute_device):
+                padded = [slabs.halo_padded(x, plan, a, b, lo, hi) for x in xs]
+                c = tf.nest.flatten(self._slab_call(conv, padded, conv.trainable)[0])[0]
+                if j in run.held:
+                    own = (window[0] - a, window[1] - a)
+                    run.outputs[j].append(c if own == (0, c.shape[slabs.AXIS]) else slabs.rows(c, *own))
         with on_device(reader.compute_device):
-            padded = [slabs.halo_padded(x, plan, a, b, lo, hi) for x in xs]
-            c = tf.nest.flatten(self._slab_call(conv, padded, conv.trainable)[0])[0]
             y = tf.nest.flatten(self._slab_call(bn, [c], bn.trainable, lambda x: (mean, variance))[0])[0]
             args, kwargs = common.rebuild(act.template, act.positions, [y])
             r, _, _ = adapter.run_stateless(act.unit, act.original, act.trainable, act.snapshot, args, kwargs,
@@ -217,6 +236,13 @@ class SweepCalls:
         totals = [_sum([p[k] for p in parts]) for k in range(len(parts[0]))]
         run.first_pass[j] = TotalMoments(mean, variance, totals[0], totals[1], bn.moment_count)
         run.normalization_weights[j] = totals[2:]
+
+
+def _held_rows(run, j, a, b):
+    """Rows [a, b) of unit j's held convolution output, cut from the pieces of the windows they fall in."""
+    cuts = [slabs.rows(piece, max(a, s0) - s0, min(b, s1) - s0)
+            for piece, (s0, s1) in zip(run.outputs[j], run.bounds) if s0 < b and a < s1]
+    return cuts[0] if len(cuts) == 1 else tf.concat(cuts, slabs.AXIS)
 
 
 def pad_own_rows(x, begin: int, end: int):

@@ -21,7 +21,11 @@ activation's, ``G_j`` the gradient of BatchNorm j's output:
   recomputed windows; for j = 1 the gradient of the run's input.
 
 Only the gradients between passes are whole tensors (``G_j``, as a BatchNorm's slab backward holds its
-upstream gradient today); every activation is a window. The other backwards of the run return what the passes
+upstream gradient today); every activation is a window, unless the plan holds it: a *held* unit's convolution
+output ``c_j`` is kept on the device from pass A (which computes it anyway) until pass B_j, and the later passes
+slice it instead of convolving again (``Sweep.held``; the planner chooses where the budget has room). Why:
+without it a two-unit run convolves its first unit three times and its second twice in the backward; held, once
+each, for one whole tensor per held unit on the device. The other backwards of the run return what the passes
 handed them (``SweepRun``): the convolution its weight and input gradients, BatchNorm its scale and offset
 gradients, an inner activation ``G_j``. The values are the slab backward's: the windows are recomputed with the
 forward's batch statistics and weight snapshot, and Dropout (not local) ends a run.
@@ -29,12 +33,15 @@ forward's batch statistics and weight snapshot, and Dropout (not local) ends a r
 This module finds the runs that can be swept, from the traced calls alone; the planner chooses among them by
 the predicted step time on the device profile (``budget``: only with ``device_profile``), records its choice on
 the plan (``PlanEntry.sweep``) and ``sweep_calls`` runs them. ``ENABLED = False`` offers none (for comparisons);
-``FORCED = True`` sweeps every candidate, with or without a profile (the tests' and benchmarks' switch).
+``FORCED = True`` sweeps every candidate, with or without a profile (the tests' and benchmarks' switch), and
+``HELD_FORCED = True`` then holds every unit it can.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import keras
 
 from keras_lms.offload.tensorflow.slab_plan import slab_bounds
 from keras_lms.planning import layer_facts
@@ -42,6 +49,7 @@ from keras_lms.planning.plan import call_graph
 
 ENABLED = True
 FORCED = False
+HELD_FORCED = False
 MAX_UNITS = 2  # units per run: pass B_j recomputes units 1..j, so the recompute grows as m^2 (a U-Net level: 2)
 
 
@@ -52,11 +60,15 @@ class Sweep:
     ``windows``: how many slab windows the passes cut the run into (``sweep_windows``: its units' densest slab
     count times ``WINDOW_DIVISOR``); ``window_options``: the counts a planner may choose instead, thinnest first
     (the units' densest slab count: windows as thick as the slabs, fewer halos recomputed, more memory per pass).
+    ``held``: the unit numbers (from 1, forward order) whose convolution output the passes hold on the device
+    from pass A to their pass B instead of convolving again; ``hold_options``: the sets a planner may choose.
     """
 
     units: tuple
     windows: int = 0
     window_options: tuple = ()
+    held: tuple = ()
+    hold_options: tuple = ()
 
     @property
     def calls(self) -> tuple:
@@ -93,7 +105,9 @@ def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
             run = tuple(units[c] for c in chain[k:k + MAX_UNITS])
             plans = [slabs[c] for c, _, _ in run] + [slabs[b] for _, b, _ in run]
             thinnest, thickest = sweep_windows(plans), sweep_windows(plans, 1)
-            runs.append(Sweep(run, thinnest, tuple(dict.fromkeys((thinnest, thickest)))))
+            holds = hold_options(calls, run)
+            runs.append(Sweep(run, thinnest, tuple(dict.fromkeys((thinnest, thickest))),
+                              holds[-1] if HELD_FORCED and holds else (), holds))
     return runs
 
 
@@ -122,6 +136,18 @@ def _unit(calls, v: int, offloaded, slabs: dict, consumers: dict, facts):
             or getattr(act.unit, "activity_regularizer", None) is not None):
         return None
     return v, b, a
+
+
+def hold_options(calls, units) -> tuple:
+    """The sets of units whose convolution outputs a sweep may hold (``Sweep.held``), smallest first: the last
+    unit alone (held from pass A to pass B_m, the shortest span) and every unit. Only convolutions without an
+    activation of their own: held, pass B_j differentiates convolution j from its input and ``dc_j`` alone, so
+    nothing needs its output and TensorFlow prunes the forward convolution the weight gradient is taken of; an
+    activation inside the layer would need that output."""
+    linear = [j for j, (conv, _, _) in enumerate(units, 1)
+              if getattr(calls[conv].unit, "activation", None) in (None, keras.activations.linear)]
+    options = [(len(units),), tuple(range(1, len(units) + 1))]
+    return tuple(dict.fromkeys(o for o in options if all(j in linear for j in o)))
 
 
 # A pass holds the windows of every unit it recomputes at once (the run's input, each unit's convolution and

@@ -89,6 +89,59 @@ def test_sweeps_are_exact_in_float64(name, dtype_policy, forced, passes):
     assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
 
 
+@pytest.fixture
+def held_cuts(monkeypatch):
+    """Holds every unit of every forced sweep (sweeps.HELD_FORCED) and counts the held rows the passes cut, per
+    unit number."""
+    monkeypatch.setattr(sweeps, "HELD_FORCED", True)
+    cuts = collections.Counter()
+    cut = sweep_calls._held_rows
+
+    def spy(run, j, a, b):
+        cuts[j] += 1
+        return cut(run, j, a, b)
+
+    monkeypatch.setattr(sweep_calls, "_held_rows", spy)
+    return cuts
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+@pytest.mark.parametrize("name", CASES)
+def test_held_units_are_exact_in_float64(name, dtype_policy, forced, held_cuts, passes):
+    """sweeps.Sweep.held: pass A keeps the units' convolution outputs, the later passes slice them instead of
+    convolving again; the step's values stay the plain model's (the control is the test above, nothing held)."""
+    build, data, slab, units = CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=slab)
+    plan = wrapped.plan(batch_size=len(data()))
+    held = {e.sweep: e.sweep_held for e in plan if e.sweep}
+    assert held and all(h == tuple(range(1, units + 1)) for h in held.values()), held
+    assert all("held on the device between the passes" in plan[i].reason for run in held for i in run)
+    result = compare_step(model, wrapped, data())
+    # pass B_j cuts unit j's rows (and, for j > 1, unit j-1's); per run and window at least once per held unit
+    assert passes["A"] == len(held) and sorted(held_cuts) == list(range(1, units + 1)), (passes, held_cuts)
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+    assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
+
+
+def test_held_units_match_the_plain_model_in_float32_and_float16(forced, held_cuts, passes):
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d()
+    result = compare_step(model, keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB),
+                          np.random.default_rng(3).random((4, 32, 32, 1)))
+    assert passes["A"] >= 2 and held_cuts[1] and held_cuts[2], (passes, held_cuts)
+    assert max(result["grads"].values()) <= SLAB_TOL and max(result["state"].values()) <= SLAB_TOL, result
+    before = sum(held_cuts.values())
+    try:
+        plain_error, held_error = float16_step_errors(
+            lambda m: keras_lms.wrap(m, min_bytes=0, keep_last=0, slab_bytes=SLAB))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert sum(held_cuts.values()) > before  # (build_unet's blocks: one unit per run, held)
+    assert 0 < plain_error < 0.1 and held_error <= 1.25 * plain_error, (plain_error, held_error)
+
+
 def test_no_sweep_without_a_profile_or_when_disabled(passes, monkeypatch):
     keras.utils.set_random_seed(0)
     model = bn_unet2d()
