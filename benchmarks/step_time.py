@@ -3,6 +3,7 @@
     python benchmarks/step_time.py                                  # float32 384^3, 400^3; mixed_float16 448^3, 496^3
     python benchmarks/step_time.py --edges 384 --dtype-policy float32 --json out.json
     python benchmarks/step_time.py --smoke                          # a small cube (CI, seconds)
+    python benchmarks/step_time.py --no-held                        # the control: no sweep holds its units
     python benchmarks/step_time.py --slab-choice                    # wrap(device_profile=) vs none, 288^3 and
                                                                     # 320^3 float32, with simulated peaks (~5 min)
     python benchmarks/step_time.py --budget-curve --edges 384 --dtype-policy float32   # the plan at budgets of
@@ -169,9 +170,15 @@ def main(argv=None) -> int:
                         help="the planner's slab size with and without device_profile, with simulated peaks")
     parser.add_argument("--budget-curve", action="store_true",
                         help=f"the plan at each budget of {', '.join(CURVE_BUDGETS)} (one edge, one dtype policy)")
+    parser.add_argument("--no-held", action="store_true",
+                        help="offer the planner no held convolution outputs in level sweeps (the control of "
+                             "sweeps.Sweep.held)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.no_held:
+        from keras_lms.offload.tensorflow import sweeps
+        sweeps.hold_options = lambda calls, units: ()
     if args.budget_curve:
         policy = args.dtype_policy or "float32"
         keras.mixed_precision.set_global_policy(policy)
