@@ -47,6 +47,11 @@ from keras_lms.planning.plan import tensor_bytes
 # windows. Calibrated on the 3D U-Net's --max-cube edges against benchmarks/simulated_gpu_peak.py (within +8%
 # from 208^3 in float32 and from 304^3 in mixed_float16; docs/benchmarks.md).
 SLAB_WORKING_WINDOWS = 2
+# More windows, in the compute dtype, that a level sweep's pass B_j (j > 1) holds: it applies BatchNorm j's second
+# pass and takes BatchNorm j-1's first pass on the same windows. Measured in the executed graph at 448^3
+# mixed_float16 with 16 GiB (windows 1/6 of a level-0 tensor): seven float32 and four float16 window-sized
+# temporaries at the step's peak, where SLAB_WORKING_WINDOWS counts two (the report was 12% under).
+SWEEP_INNER_WORKING_WINDOWS = 4
 
 
 def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
@@ -173,6 +178,9 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
         # the run's input gradient is assembled one part of a concatenation at a time (never concatenated)
         assembled = sizes_in[parts[0]] if j == 1 and parts is not None else sizes_in[conv]
         held[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows)
+        if j > 1:  # the pass also takes BatchNorm j-1's first pass on its windows: a second BatchNorm's temporaries
+            window = sum(sizes_in[bn]) / max(1, sweep.windows)
+            held[bn] += int(SWEEP_INNER_WORKING_WINDOWS * window * _compute_ratio(calls[bn].dtypes[0]))
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
     held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows)

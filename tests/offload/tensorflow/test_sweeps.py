@@ -212,7 +212,7 @@ def test_a_budget_with_room_holds_units_and_the_step_is_faster(monkeypatch):
     model = bn_unet2d()
     common = dict(min_bytes=0, keep_last=0, slab_bytes=SLAB, device_profile="h100-pcie5")
     peak = keras_lms.report(keras_lms.wrap(model, **common), batch_size=4).totals["predicted_peak_bytes_wrapped"]
-    budget = int(peak * 1.3)
+    budget = int(peak * 1.5)
 
     def planned():
         wrapped = keras_lms.wrap(model, device_budget=budget, **common)
