@@ -72,7 +72,8 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
 
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
     """The plan's entries from the offload decisions: slabs, sweeps, recomputed tensors, prefetch and, with a
-    budget and a profile, the calls kept where the budget has room (``_keep_where_room``)."""
+    budget and a profile, the calls kept where the budget has room (``_keep_where_room``), then the sweep units
+    held on the device (``sweep_plan.plan_sweep_windows``)."""
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     if config.device_profile is not None and config.device_budget is not None:
@@ -81,14 +82,13 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
                                                         static_bytes, update_bytes)
             if not kept:
                 break
-        if not HOLDS_EARLY:
-            plan_sweep_windows(calls, entries, config, facts, batch_size,
-                               lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                          update_bytes, swept=swept))
+        # held sweep units last, on the finished plan's leftover room (earlier they took room that kept calls use
+        # better: docs/design.md, "Held convolution outputs in sweeps")
+        plan_sweep_windows(calls, entries, config, facts, batch_size,
+                           lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                      update_bytes, swept=swept))
+        note_swept_host_bytes(entries)  # (a run swept only now copies nothing inside it either)
     return entries
-
-
-HOLDS_EARLY = False
 
 
 def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
@@ -110,7 +110,7 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
         if config.device_budget is not None:
             plan_sweep_windows(calls, entries, config, facts, batch_size,
                                lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                          update_bytes, swept=swept), holds=HOLDS_EARLY)
+                                                          update_bytes, swept=swept), holds=False)
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
             ahead = planned_prefetch(entries, config.prefetch)
             plan_short_chains(calls, entries, facts, batch_size,
