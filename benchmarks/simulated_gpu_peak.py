@@ -313,12 +313,16 @@ def max_cube_table(rows, batch: int) -> Table:
 
 
 # --------------------------------------------------------------------------------------- --like-for-like
-def like_for_like(plain_edges, wrapped_edges, repeat: int, batch: int, log, device_profile=None) -> list:
+def like_for_like(plain_edges, wrapped_edges, repeat: int, batch: int, log, device_profile=None,
+                  device_budget=None) -> list:
     """Each edge of each model simulated as TensorFlow runs it on a GPU_MEMORY GPU: grappler optimises for that
     size and swaps by itself when its estimate exceeds it (keras_lms/testing/grappler_swaps.py), ``repeat`` times
     because its choice of swaps varies from run to run; plus once on a 1 TiB GPU, where it never swaps (the
-    figure the max-cube table used to give for plain). One row per (model, edge)."""
+    figure the max-cube table used to give for plain). One row per (model, edge); ``device_budget``: the wrapped
+    model planned for it (``--device-budget``)."""
     wrapped_kwargs = wrap_variants(False, device_profile=device_profile)["wrapped"]
+    if device_budget:
+        wrapped_kwargs = {**wrapped_kwargs, "device_budget": device_budget}
     rows = []
     for run, edges, kwargs in (("plain", plain_edges, None), ("wrapped", wrapped_edges, wrapped_kwargs)):
         for edge in edges:
@@ -383,7 +387,7 @@ def run(args, console, log) -> dict:
     if args.like_for_like:
         edges = lambda text: [int(e) for e in text.split(",")] if text else []  # noqa: E731
         rows = like_for_like(edges(args.plain_edges), edges(args.wrapped_edges), args.repeat, args.batch, log,
-                             args.device_profile)
+                             args.device_profile, args.device_budget)
         console.print(like_for_like_table(rows, args.batch))
         return {"like_for_like": rows, "batch": args.batch, "gpu_memory": GPU_MEMORY,
                 "dtype_policy": args.dtype_policy, "device_profile": args.device_profile,
@@ -448,7 +452,8 @@ def main(argv=None) -> int:
                         help="--max-cube / --cube-edges: wrap(device_profile=...) for the wrapped runs (the "
                              "time-aware plan)")
     parser.add_argument("--device-budget", default=None,
-                        help="--cube-edges: wrap(device_budget=...) too, e.g. 16GiB (the budget planner's plan)")
+                        help="--cube-edges, --like-for-like: wrap(device_budget=...) too, e.g. 16GiB (the budget "
+                             "planner's plan)")
     parser.add_argument("--like-for-like", action="store_true",
                         help="instead: plain and wrapped as TensorFlow runs them on a 16 GiB GPU (grappler swaps by "
                              "itself), --repeat times per edge")

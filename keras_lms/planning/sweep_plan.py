@@ -68,17 +68,21 @@ def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, hol
     the halo rows (at 384^3 float32 with a 16 GiB budget 15% of the predicted step, docs/design.md, "Level
     sweeps"); and without held units each pass B convolves again what pass A convolved."""
     chosen = planned_sweeps(entries)
-    if not chosen and not holds:
+    if not chosen:
         return
     candidates, seconds = _search(calls, entries, config, facts, batch_size, recomputed_producers(entries))
     best = seconds(chosen)
     for sweep in candidates:
-        if sweep.first not in chosen and not (holds and sweep.hold_options):
-            continue  # (a run the plan does not sweep may pay once its units are held)
+        if sweep.first not in chosen:
+            # (not a run the plan did not sweep, held or not: at 384^3 float32 with 16 GiB a held sweep of the
+            # level-0 decoder was predicted faster, but its whole output gradient, sliced by every window of
+            # pass B, became grappler's swap candidate on a 16 GiB GPU: 54-58 swaps, 24 GiB each way, 16.8-19.1
+            # GiB peaks; docs/design.md, "Held convolution outputs in sweeps")
+            continue
         for windows in sweep.window_options:
             for held in ((),) + (tuple(sweep.hold_options) if holds else ()):
                 setting = (windows, held) if held else windows
-                if setting == chosen.get(sweep.first) or (sweep.first not in chosen and not held):
+                if setting == chosen[sweep.first]:
                     continue
                 trial = {**chosen, sweep.first: setting}
                 if fits(trial):
