@@ -118,7 +118,7 @@ def test_held_units_convolve_once_in_the_executed_graph(rows):
     pass B, beside the same sweeps recomputing them in every pass. Counted in the convolution ops grappler left
     on the virtual GPU (the forward convolution each held pass B differentiates for its weight gradient has no
     other reader and is pruned). Measured 2026-12-06: recomputed convolution FLOPs -50% (1.62 -> 0.81 GFLOP),
-    copies back -32% (the passes read no input windows for a held unit), copies out the same."""
+    copies back -36% (the passes read no input windows for a held unit), copies out the same."""
     by_case = {r["case"]: r for r in rows}
     control = by_case["3D U-Net 1x32^3, slabs of 64 KiB, swept"]
     held = by_case["3D U-Net 1x32^3, slabs of 64 KiB, swept, held"]
