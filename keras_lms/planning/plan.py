@@ -209,13 +209,19 @@ def planned_prefetch(entries, default: int) -> int:
 def planned_sweeps(entries) -> dict:
     """The level sweeps a plan runs: first call -> its setting (``sweep_setting``: the windows its passes cut
     the run into, ``PlanEntry.sweep_windows``, and with held units ``(windows, PlanEntry.sweep_held)``)."""
-    return {e.sweep[0]: (e.sweep_windows, tuple(e.sweep_held)) if getattr(e, "sweep_held", ()) else e.sweep_windows
+    return {e.sweep[0]: sweep_value(e.sweep_windows, getattr(e, "sweep_held", ()))
             for e in entries if getattr(e, "sweep", None) and e.index == e.sweep[0]}
 
 
+def sweep_value(windows, held=()):
+    """A sweep's setting in a ``swept`` mapping: the windows alone when nothing is held (what the searches that
+    only choose windows pass), else ``(windows, held units)``; ``sweep_setting`` reads either."""
+    return (windows, tuple(held)) if held else windows
+
+
 def sweep_setting(value) -> tuple:
-    """``(windows, held)`` of a sweep's setting in a ``swept`` mapping: the windows alone (None: the sweep's
-    default), or ``(windows, held units)``."""
+    """``(windows, held)`` of a sweep's setting in a ``swept`` mapping (``sweep_value``): the windows alone (None:
+    the sweep's default), or ``(windows, held units)``."""
     return tuple(value) if isinstance(value, tuple) else (value, ())
 
 

@@ -9,7 +9,7 @@ forward work (each unit once per pass that needs it). On a PCIe GPU that pays at
 
 from __future__ import annotations
 
-from keras_lms.planning.plan import planned_slab_bytes, planned_sweeps, sweep_setting
+from keras_lms.planning.plan import planned_slab_bytes, planned_sweeps, sweep_setting, sweep_value
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 
@@ -26,7 +26,7 @@ def plan_sweeps(calls, entries, config, facts, batch_size: int) -> None:
     if not candidates:
         return
     if facts.forced_sweeps():
-        chosen = {s.first: (s.windows, s.held) if s.held else s.windows for s in candidates}
+        chosen = {s.first: sweep_value(s.windows, s.held) for s in candidates}
     else:
         chosen, best = {}, seconds({})
         for sweep in candidates:
@@ -81,7 +81,7 @@ def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, hol
             continue
         for windows in sweep.window_options:
             for held in ((),) + (tuple(sweep.hold_options) if holds else ()):
-                setting = (windows, held) if held else windows
+                setting = sweep_value(windows, held)
                 if setting == chosen[sweep.first]:
                     continue
                 trial = {**chosen, sweep.first: setting}
