@@ -112,6 +112,7 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
         rules.check_selector_names(self.lms_config, self._structure.names)
         self._offload.validate_host_device(self.lms_config.host_device)
         self._plans = {}
+        self._example_plans = {}  # plan(batch_size): (batch size, static bytes, optimizer) -> entries
         self._last_plan = None
         self._batch_hint = None
         self._offload_depth = 0  # > 0 while a training forward pass of the inner model is being offloaded
@@ -282,6 +283,7 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
         if value != self._batch_hint:
             self._batch_hint = value
             self._plans.clear()  # plans of unknown-batch signatures were sized with the old hint
+            self._example_plans.clear()
 
     def plan(self, batch_size: int = 1) -> list:
         """The offload plan for one training step at `batch_size` (one PlanEntry per layer call)."""
@@ -293,7 +295,15 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
                 f"Cannot plan for model {self.inner_model.name!r}: it does not record its input shape. "
                 "Build it with model.build(input_shape) or train one step; lms_plan then shows the traced plan."
             )
-        return self._plan_step(specs, {}, batch_size).entries
+        # Why a cache: with a device_budget, wrap() plans at batch size 1 (to refuse a budget early) and lms_plan
+        # asked for the same plan again, seconds of planning each for a large 3D model. What the plan depends on
+        # besides the model's calls: the static bytes (weights made trainable or frozen, a built optimizer's
+        # state) and the optimizer (its update's temporaries).
+        optimizer = getattr(self, "optimizer", None)
+        key = (batch_size, self.static_bytes(), type(optimizer).__name__, id(optimizer))
+        if key not in self._example_plans:
+            self._example_plans[key] = self._plan_step(specs, {}, batch_size).entries
+        return self._example_plans[key]
 
     @property
     def lms_plan(self) -> list:
@@ -320,6 +330,7 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
     def forget_plans(self) -> None:
         """Drop every cached plan: the next training step re-plans and re-runs the host-memory guard."""
         self._plans = {}
+        self._example_plans = {}
 
     @property
     def offloaded_bytes_per_step(self) -> int:

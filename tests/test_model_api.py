@@ -105,6 +105,33 @@ def test_lms_plan_entries():
     assert wrapped.offloaded_bytes_per_step == sum(e.new_host_bytes for e in wrapped.lms_plan) > 0
 
 
+def test_example_plan_is_planned_once_until_what_it_depends_on_changes(monkeypatch):
+    """wrap(device_budget=) plans at batch size 1; lms_plan and plan(1) reuse that plan instead of planning again
+    (seconds for a large 3D model), but a frozen layer or a built optimizer changes the static bytes and re-plans."""
+    model = models.unet2d()
+    wrapped = keras_lms.wrap(model, device_budget="64MiB", min_bytes=0, keep_last=1)
+    planned = []
+    original = keras_lms.LMSModel._plan_step
+    monkeypatch.setattr(keras_lms.LMSModel, "_plan_step",
+                        lambda self, *a: planned.append(a[-1]) or original(self, *a))
+    first = list(wrapped.lms_plan)
+    assert wrapped.plan(batch_size=1) == first and planned == []  # the plan wrap() made
+    wrapped.plan(batch_size=2)
+    assert planned == [2]
+    model.layers[1].trainable = False  # fewer gradients: the static bytes change
+    wrapped.plan(batch_size=1)
+    assert planned == [2, 1]
+    model.layers[1].trainable = True
+    assert wrapped.plan(batch_size=1) == first and planned == [2, 1]  # as before: the first plan again
+    wrapped.compile(optimizer="adam", loss="mse")
+    wrapped.optimizer.build(wrapped.trainable_variables)
+    wrapped.plan(batch_size=1)
+    assert planned == [2, 1, 1]
+    wrapped.forget_plans()
+    wrapped.plan(batch_size=1)
+    assert planned == [2, 1, 1, 1]
+
+
 def test_shared_layer_has_one_plan_entry_per_call():
     wrapped = keras_lms.wrap(models.multi_io(), min_bytes=0, keep_last=0)
     calls = [e for e in wrapped.lms_plan if e.layer == "shared_dense"]
