@@ -17,6 +17,8 @@ back end's offload package.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 
 STRUCTURAL_LAYERS = frozenset({
@@ -81,14 +83,17 @@ def fused_activation(unit) -> str | None:
     return activation_name(getattr(unit, "activation", None)) or None
 
 
-def _kernel_classes():
-    return tuple(getattr(keras.layers, name) for name in sorted(KERNEL_LAYERS) if hasattr(keras.layers, name))
+@functools.lru_cache(maxsize=1)  # (asked for every call each time the planner predicts a step)
+def _kernel_classes() -> tuple:
+    """The Dense/Conv-family classes and the set of their own ``call`` methods."""
+    classes = tuple(getattr(keras.layers, name) for name in sorted(KERNEL_LAYERS) if hasattr(keras.layers, name))
+    return classes, frozenset(cls.call for cls in classes)
 
 
 def runs_keras_kernel_call(unit) -> bool:
     """An instance of a Dense/Conv-family class (or a subclass) whose ``call`` is Keras' own."""
-    classes = _kernel_classes()
-    return isinstance(unit, classes) and type(unit).call in {cls.call for cls in classes}
+    classes, calls = _kernel_classes()
+    return isinstance(unit, classes) and type(unit).call in calls
 
 
 def is_linear_activation(unit) -> bool:
