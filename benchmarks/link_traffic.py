@@ -77,14 +77,14 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, swept, held", unet3d, 1, slabs3d, True, True, True, True)]
 
 
-def large_cases(edge: int, profile: str) -> list:
-    """The max-cube benchmark's 3D U-Net (4 levels, 16 filters) at ``edge``^3, planned for 16 GiB as wrap plans
-    it: today's plan (no profile) and the time-aware one on ``profile``."""
+def large_cases(edge: int, profile: str, device_budget: str = "16GiB") -> list:
+    """The max-cube benchmark's 3D U-Net (4 levels, 16 filters) at ``edge``^3, planned for ``device_budget`` as
+    wrap plans it: today's plan (no profile) and the time-aware one on ``profile``."""
     cube = lambda: unet((edge, edge, edge, 1), 16)  # noqa: E731
-    budget = dict(host_device=HOST_STAND_IN, device_budget="16GiB")
-    return [(f"3D U-Net 1x{edge}^3, 16 GiB, no profile", cube, 1, budget, True),
-            (f"3D U-Net 1x{edge}^3, 16 GiB, recomputed ({profile})", cube, 1, {**budget, "device_profile": profile},
-             True)]
+    budget = dict(host_device=HOST_STAND_IN, device_budget=device_budget)
+    return [(f"3D U-Net 1x{edge}^3, {device_budget}, no profile", cube, 1, budget, True),
+            (f"3D U-Net 1x{edge}^3, {device_budget}, recomputed ({profile})", cube, 1,
+             {**budget, "device_profile": profile}, True)]
 
 
 _PLAIN = {}
@@ -160,13 +160,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON here")
     parser.add_argument("--edge", type=int, help="instead: the max-cube 3D U-Net at EDGE^3 with "
-                        "device_budget=16GiB, without and with --profile (a few minutes per plan)")
+                        "device_budget=16GiB (--device-budget), without and with --profile (a few minutes per plan)")
     parser.add_argument("--dtype-policy", default="float32", choices=("float32", "mixed_float16"))
     parser.add_argument("--profile", default="h100-pcie5", help="device profile of the time-aware plan")
+    parser.add_argument("--device-budget", default="16GiB", help="--edge: the plans' device_budget")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype_policy if args.edge else "float32")
     with simulated_host_ram():
-        rows = [measure(*case) for case in (large_cases(args.edge, args.profile) if args.edge else cases())]
+        chosen = large_cases(args.edge, args.profile, args.device_budget) if args.edge else cases()
+        rows = [measure(*case) for case in chosen]
     Console(width=260).print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

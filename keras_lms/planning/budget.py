@@ -16,7 +16,7 @@ import logging
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
-from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions
+from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
 from keras_lms.planning.memory_model import simulate, tensor_sizes
 from keras_lms.planning.plan import (
     CallDecision,
@@ -29,6 +29,7 @@ from keras_lms.planning.plan import (
 )
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.slab_choice import MIN_SLAB_BYTES, fastest_fitting_slab
+from keras_lms.planning.source_offload import offload_sources
 from keras_lms.planning.step_time import predict_step_time
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
 
@@ -77,6 +78,8 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     if config.device_profile is not None and config.device_budget is not None:
+        decisions, entries = _offload_sources(calls, decisions, entries, config, facts, batch_size, static_bytes,
+                                              update_bytes)
         for _ in range(KEEP_ROUNDS):
             decisions, entries, kept = _keep_where_room(calls, decisions, entries, config, facts, batch_size,
                                                         static_bytes, update_bytes)
@@ -120,6 +123,21 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
                                                          update_bytes, prefetch=ahead, short_chains=short))
     note_swept_host_bytes(entries)
     return entries
+
+
+def _offload_sources(calls, decisions, entries, config, facts, batch_size: int, static_bytes: int,
+                     update_bytes: int) -> tuple:
+    """``(decisions, entries)`` with the small inputs offloaded that ``source_offload`` finds worth it."""
+    def try_plan(trial):
+        planned = _plan_decisions(calls, trial, config, facts, batch_size, static_bytes, update_bytes,
+                                  recomputed_producers(entries))
+        fits = _fits_budget(calls, planned, config, facts, batch_size, static_bytes, update_bytes,
+                            prefetch=planned_prefetch(planned, config.prefetch))
+        return (_plan_seconds(calls, planned, config, facts, batch_size), planned) if fits else None
+
+    decisions, planned, _ = offload_sources(calls, decisions, batch_size, config.device_profile.name, try_plan,
+                                            _plan_seconds(calls, entries, config, facts, batch_size))
+    return decisions, planned or entries
 
 
 # Rounds of the keep search: a re-planned plan (other sweeps, recomputed tensors, prefetch) may leave room for more.
@@ -222,24 +240,6 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
              config.prefetch, best_seconds, config.device_profile.name)
     for entry in entries:
         entry.prefetch = best
-
-
-def keep_unread_activation_outputs(calls, decisions, facts) -> list:
-    """Keep the activation calls differentiated from their output whose output no consumer offloads.
-
-    Such a call's backward reads its output from its consumer's host copy (``BackendFacts.reads_output_host_copy``).
-    When every consumer keeps the output on the device for its own backward (the last layers, ``keep_last``),
-    there is no host copy to read and nothing to free: the output is on the device anyway. Offloaded, the torch
-    back end would copy it to host and back for nothing (a full-size level-0 tensor before a U-Net's head)."""
-    offloaded_keys = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
-    out = list(decisions)
-    for i, (call, d) in enumerate(zip(calls, decisions)):
-        if (d.offloaded and facts.output_gradient_activation(call.unit) is not None and call.output_keys
-                and not offloaded_keys & set(call.output_keys)):
-            out[i] = CallDecision([False] * len(d.offload_tensor),
-                                  "kept: its gradient reads its output, which its consumers keep on the device",
-                                  d.slab_bytes, d.recompute_from)
-    return out
 
 
 def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,

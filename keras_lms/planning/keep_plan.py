@@ -90,3 +90,21 @@ def keep_decisions(decisions, saved_seconds: dict, profile_name: str) -> list:
                               f"the predicted step {saved_seconds[i] * 1e3:.1f} ms longer on {profile_name}",
                               d.slab_bytes, d.recompute_from)
     return out
+
+
+def keep_unread_activation_outputs(calls, decisions, facts) -> list:
+    """Keep the activation calls differentiated from their output whose output no consumer offloads.
+
+    Such a call's backward reads its output from its consumer's host copy (``BackendFacts.reads_output_host_copy``).
+    When every consumer keeps the output on the device for its own backward (the last layers, ``keep_last``),
+    there is no host copy to read and nothing to free: the output is on the device anyway. Offloaded, the torch
+    back end would copy it to host and back for nothing (a full-size level-0 tensor before a U-Net's head)."""
+    offloaded_keys = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
+    out = list(decisions)
+    for i, (call, d) in enumerate(zip(calls, decisions)):
+        if (d.offloaded and facts.output_gradient_activation(call.unit) is not None and call.output_keys
+                and not offloaded_keys & set(call.output_keys)):
+            out[i] = CallDecision([False] * len(d.offload_tensor),
+                                  "kept: its gradient reads its output, which its consumers keep on the device",
+                                  d.slab_bytes, d.recompute_from)
+    return out
