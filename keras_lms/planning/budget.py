@@ -78,13 +78,13 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     if config.device_profile is not None and config.device_budget is not None:
-        decisions, entries = _offload_sources(calls, decisions, entries, config, facts, batch_size, static_bytes,
-                                              update_bytes)
         for _ in range(KEEP_ROUNDS):
             decisions, entries, kept = _keep_where_room(calls, decisions, entries, config, facts, batch_size,
                                                         static_bytes, update_bytes)
             if not kept:
                 break
+        decisions, entries = _offload_sources(calls, decisions, entries, config, facts, batch_size, static_bytes,
+                                              update_bytes)
         # held sweep units last, on the finished plan's leftover room (earlier they took room that kept calls use
         # better: docs/design.md, "Held convolution outputs in sweeps")
         plan_sweep_windows(calls, entries, config, facts, batch_size,
