@@ -1,14 +1,18 @@
 """The budget planner keeps offloaded calls on the device where ``device_budget`` has room once the level sweeps
 and recomputed tensors are chosen (``planning.keep_plan``, ``budget._keep_where_room``), on the plan the issue's
-acceptance measures: the 3D U-Net at 448^3 in mixed_float16 with a 16 GiB budget on H100-PCIe5. Planning only
-(nothing runs at this size here): the executed graph's peak of this plan is in docs/benchmarks.md
-(``benchmarks/simulated_gpu_peak.py``)."""
+acceptance measures: the 3D U-Net at 448^3 in mixed_float16 with a 16 GiB budget on H100-PCIe5; and, after the keep
+search, offloads small inputs so that large outputs are recomputed (``planning.source_offload``). Planning only at
+those sizes (the executed graph's peaks of these plans are in docs/benchmarks.md, ``benchmarks/simulated_gpu_peak.py``
+and ``benchmarks/link_traffic.py``); the pattern the move makes is run on a small U-Net against the plain model."""
 
+import keras
+import numpy as np
 import pytest
 
 import keras_lms
 from benchmarks.models import unet
 from keras_lms.planning import budget, source_offload
+from tests.oracle import compare_step
 
 pytestmark = pytest.mark.tensorflow(reason="level sweeps and slabs, which free the room, are TensorFlow's")
 
@@ -75,3 +79,21 @@ def test_a_small_input_is_offloaded_so_that_the_large_output_is_recomputed(monke
     faster, slower = moved.times["as planned"], control.times["as planned"]
     assert faster.step_seconds < 0.8 * slower.step_seconds
     assert faster.host_to_device_bytes < 0.2 * slower.host_to_device_bytes
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+def test_an_output_recomputed_from_the_image_copy_matches_the_plain_model(dtype_policy):
+    """What the move above makes run: the first convolution's input (the image) copied to host and its output
+    recomputed from the copy's windows for every backward that reads it, its neighbours offloaded and the rest of
+    the U-Net kept (the 64 GiB plan's pattern, chosen here by ``include``): exact in float64 against the plain
+    model, loss, outputs, every gradient and the BatchNorm statistics."""
+    keras.utils.set_random_seed(0)
+    model = unet((64, 64, 1), 8, levels=3)
+    wrapped = keras_lms.wrap(model, include=["down0_conv1", "down0_bn1", "down0_relu1", "down0_conv2"],
+                             min_bytes=0, keep_last=0, slab_bytes="8KiB", device_profile="h100-pcie5")
+    plan = wrapped.plan(batch_size=2)
+    assert plan[0].layer == "down0_conv1" and plan[0].offloaded and plan[0].recomputed_output
+    assert not any(e.offloaded for e in plan[4:])
+    result = compare_step(model, wrapped, np.random.default_rng(0).random((2, 64, 64, 1)))
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+    assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
