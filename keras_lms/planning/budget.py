@@ -131,11 +131,11 @@ def _offload_sources(calls, decisions, entries, config, facts, batch_size: int, 
     def try_plan(trial):
         planned = _plan_decisions(calls, trial, config, facts, batch_size, static_bytes, update_bytes,
                                   recomputed_producers(entries))
-        fits = _fits_budget(calls, planned, config, facts, batch_size, static_bytes, update_bytes,
-                            prefetch=planned_prefetch(planned, config.prefetch))
-        return (_plan_seconds(calls, planned, config, facts, batch_size), planned) if fits else None
+        if _fits_budget(calls, planned, config, facts, batch_size, static_bytes, update_bytes,
+                        prefetch=planned_prefetch(planned, config.prefetch)):  # (else None: it does not fit)
+            return _plan_seconds(calls, planned, config, facts, batch_size), planned
 
-    decisions, planned, _ = offload_sources(calls, decisions, batch_size, config.device_profile.name, try_plan,
+    decisions, planned, _ = offload_sources(calls, decisions, config, batch_size, try_plan,
                                             _plan_seconds(calls, entries, config, facts, batch_size))
     return decisions, planned or entries
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+from keras_lms.planning import rules
 from keras_lms.planning.memory_model import tensor_sizes
 from keras_lms.planning.plan import CallDecision
 
@@ -37,41 +38,45 @@ MAX_TRIALS = 3
 MIN_GAIN = 1e-3
 
 
-def source_candidates(calls, decisions, batch_size: int) -> list:
+def source_candidates(calls, decisions, policy, batch_size: int) -> list:
     """The kept calls whose output a reader offloads and whose inputs are small (module docstring), largest
-    output first, at most ``MAX_TRIALS``."""
+    output first, at most ``MAX_TRIALS``; only calls whose inputs the user's rules let go to host (``policy``:
+    ``rules.decide_all``, before the budget narrowed it: include/exclude, keep_last, min_bytes, what the back end
+    cannot offload)."""
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
     copied = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
     found = []
-    for i, (call, d) in enumerate(zip(calls, decisions)):
-        if d.offloaded or not call.keys or len(keys_out[i]) != 1 or keys_out[i][0] not in copied:
+    for i, d in enumerate(decisions):
+        if d.offloaded or not policy[i].offloaded or len(keys_out[i]) != 1 or keys_out[i][0] not in copied:
             continue
         if sum(sizes_in[i]) <= MAX_INPUT_SHARE * sizes_out[i][0]:
             found.append((sizes_out[i][0], i))
     return [i for _, i in sorted(found, key=lambda t: (-t[0], t[1]))[:MAX_TRIALS]]
 
 
-def with_sources_offloaded(calls, decisions, indices, profile_name: str) -> list:
-    """``decisions`` with every input of the calls ``indices`` offloaded, each with its reason."""
+def with_sources_offloaded(decisions, policy, indices, profile_name: str) -> list:
+    """``decisions`` with the inputs of the calls ``indices`` that ``policy`` lets go to host offloaded, each with
+    its reason."""
     out = list(decisions)
     for i in indices:
-        d = decisions[i]
-        out[i] = CallDecision([True] * len(d.offload_tensor),
+        out[i] = CallDecision(list(policy[i].offload_tensor),
                               f"offloaded: a small input of a large output, so that the output can be recomputed "
                               f"from its host copy instead of copied (a shorter predicted step on {profile_name})",
-                              d.slab_bytes)
+                              decisions[i].slab_bytes)
     return out
 
 
-def offload_sources(calls, decisions, batch_size: int, profile_name: str, try_plan, seconds_now: float) -> tuple:
-    """Greedy over ``source_candidates``: ``try_plan(decisions)`` re-plans and returns ``(seconds, plan)``, or
-    None where the plan does not fit the budget; a candidate is kept when its plan is faster than the best so
-    far (at first the plan of ``decisions``, ``seconds_now``). Returns ``(decisions, plan, seconds)`` of the
-    best, with ``plan`` None when no candidate was kept."""
+def offload_sources(calls, decisions, config, batch_size: int, try_plan, seconds_now: float) -> tuple:
+    """Greedy over ``source_candidates`` (under the rules of ``config``, an ``LMSConfig`` with a device profile):
+    ``try_plan(decisions)`` re-plans and returns ``(seconds, plan)``, or None where the plan does not fit the
+    budget; a candidate is kept when its plan is faster than the best so far (at first the plan of
+    ``decisions``, ``seconds_now``). Returns ``(decisions, plan, seconds)`` of the best, with ``plan`` None when
+    no candidate was kept."""
+    policy, profile_name = rules.decide_all(calls, config, batch_size), config.device_profile.name
     best_decisions, best_plan, best_seconds = decisions, None, seconds_now
     taken = []
-    for i in source_candidates(calls, decisions, batch_size):
-        trial = with_sources_offloaded(calls, decisions, taken + [i], profile_name)
+    for i in source_candidates(calls, decisions, policy, batch_size):
+        trial = with_sources_offloaded(decisions, policy, taken + [i], profile_name)
         result = try_plan(trial)
         if result is None:
             continue

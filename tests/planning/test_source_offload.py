@@ -3,7 +3,8 @@ recomputed instead of copied (``planning.source_offload``), and how the greedy s
 
 import types
 
-from keras_lms.planning import source_offload
+from keras_lms.config import LMSConfig
+from keras_lms.planning import rules, source_offload
 from keras_lms.planning.plan import CallDecision
 from tests.planning.calls import floats, raw_call
 
@@ -26,19 +27,34 @@ def decide(*offloaded):
     return [CallDecision([i in offloaded], "test") for i in range(6)]
 
 
+CONFIG = LMSConfig(min_bytes=0, keep_last=0, device_profile="h100-pcie5")
+
+
 def test_candidates_are_kept_calls_with_small_inputs_whose_output_is_copied():
     calls = chain()
+    policy = rules.decide_all(calls, CONFIG, 2)
     # widen: 1/16 of its output, copied by reader; widen2: half of its output (not small); same: nobody copies e
-    assert source_offload.source_candidates(calls, decide(1, 3), batch_size=2) == [0]
-    assert source_offload.source_candidates(calls, decide(3), batch_size=2) == []  # a is not copied
-    assert source_offload.source_candidates(calls, decide(0, 1, 3), batch_size=2) == []  # offloaded already
+    assert source_offload.source_candidates(calls, decide(1, 3), policy, batch_size=2) == [0]
+    assert source_offload.source_candidates(calls, decide(3), policy, batch_size=2) == []  # a is not copied
+    assert source_offload.source_candidates(calls, decide(0, 1, 3), policy, 2) == []  # offloaded already
+
+
+def test_the_users_rules_are_kept():
+    """A call the user excluded (or keep_last keeps, or whose input is under min_bytes) is never offloaded to
+    make its output recomputable: the move narrows nothing the rules decided."""
+    calls = chain()
+    for config in (LMSConfig(min_bytes=0, keep_last=0, exclude=["widen"]),
+                   LMSConfig(min_bytes=5 << 10, keep_last=0)):  # the image is 4 KiB at batch size 1
+        assert source_offload.source_candidates(calls, decide(1, 3), rules.decide_all(calls, config, 1), 1) == []
+    assert source_offload.source_candidates(calls, decide(1, 3), rules.decide_all(calls, CONFIG, 1), 1) == [0]
 
 
 def test_the_search_keeps_only_trials_that_fit_and_are_faster():
     calls = chain()
     calls[4] = raw_call(unit("widen3"), [("d", floats(512))], [("e", floats(4096))])
     decisions = decide(1, 3, 5)
-    assert source_offload.source_candidates(calls, decisions, 1) == [0, 4]  # the larger output first
+    policy = rules.decide_all(calls, CONFIG, 1)
+    assert source_offload.source_candidates(calls, decisions, policy, 1) == [0, 4]  # the larger output first
     tried = []
 
     def try_plan(trial):
@@ -46,10 +62,10 @@ def test_the_search_keeps_only_trials_that_fit_and_are_faster():
         tried.append(offloaded)
         return {(0, 1, 3, 5): (0.8, "plan with widen"), (0, 1, 3, 4, 5): None}[offloaded]
 
-    out, plan, seconds = source_offload.offload_sources(calls, decisions, 1, "test-gpu", try_plan, 1.0)
+    out, plan, seconds = source_offload.offload_sources(calls, decisions, CONFIG, 1, try_plan, 1.0)
     assert tried == [(0, 1, 3, 5), (0, 1, 3, 4, 5)]  # the second trial keeps the first one taken
     assert (plan, seconds) == ("plan with widen", 0.8)
     assert out[0].offloaded and "recomputed from its host copy" in out[0].reason and not out[4].offloaded
     # slower than the plan as it is: nothing taken
-    out, plan, seconds = source_offload.offload_sources(calls, decisions, 1, "test-gpu", lambda t: (1.5, "x"), 1.0)
+    out, plan, seconds = source_offload.offload_sources(calls, decisions, CONFIG, 1, lambda t: (1.5, "x"), 1.0)
     assert plan is None and out == decisions and seconds == 1.0
