@@ -1,5 +1,5 @@
-"""Offload a small input so that a large tensor computed from it is recomputed instead of copied (the budget
-planner's move between its two starts).
+"""Offload a small input so that a large tensor computed from it is recomputed instead of copied (a move of the
+budget planner, made on each start's plan after its keep search).
 
 Why: the budget planner's "fewest offloads" start (``budget.fit_budget``) picks tensors by bytes x distance, so
 with a large budget it offloads the few largest, longest-lived tensors of a U-Net: the first level's convolution
@@ -14,7 +14,8 @@ budget needs (1.67x at 40 and 48 GiB).
 
 The move: each call the plan keeps whose output some reader copies to host, whose inputs are at most
 ``MAX_INPUT_SHARE`` of that output (a convolution widening its channels, an up-sampler), largest output first
-and at most ``MAX_TRIALS`` of them, is tried with its inputs offloaded; the caller re-plans (recomputed tensors,
+and at most ``MAX_TRIALS`` of them, is tried with its inputs offloaded (only those the user's rules let go to
+host: include/exclude, keep_last, min_bytes); the caller re-plans (recomputed tensors,
 sweeps, prefetch) and keeps a trial that fits the budget and is predicted faster. Whether the output is then
 recomputed or still copied is the re-plan's choice, by time.
 """
