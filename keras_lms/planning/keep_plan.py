@@ -20,7 +20,7 @@ subsets would cost far more planning time than ``wrap()`` can spend, for a few m
 
 from __future__ import annotations
 
-from keras_lms.planning.plan import CallDecision
+from keras_lms.planning.plan import CallDecision, offloaded_keys
 
 # A kept call must shorten the predicted step by at least this share of it (below the model's accuracy, a kept
 # tensor only costs memory).
@@ -99,11 +99,11 @@ def keep_unread_activation_outputs(calls, decisions, facts) -> list:
     When every consumer keeps the output on the device for its own backward (the last layers, ``keep_last``),
     there is no host copy to read and nothing to free: the output is on the device anyway. Offloaded, the torch
     back end would copy it to host and back for nothing (a full-size level-0 tensor before a U-Net's head)."""
-    offloaded_keys = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
+    copied = offloaded_keys(calls, decisions)
     out = list(decisions)
     for i, (call, d) in enumerate(zip(calls, decisions)):
         if (d.offloaded and facts.output_gradient_activation(call.unit) is not None and call.output_keys
-                and not offloaded_keys & set(call.output_keys)):
+                and not copied & set(call.output_keys)):
             out[i] = CallDecision([False] * len(d.offload_tensor),
                                   "kept: its gradient reads its output, which its consumers keep on the device",
                                   d.slab_bytes, d.recompute_from)

@@ -201,6 +201,12 @@ def host_bytes_per_step(plan: Sequence[PlanEntry]) -> int:
     return sum(e.new_host_bytes for e in plan)
 
 
+def offloaded_keys(calls, decisions) -> set:
+    """The keys of the tensors some call's decision (``CallDecision`` or ``PlanEntry``-like ``offload_tensor``)
+    sends to host: a tensor with a host copy, which its other readers may read too."""
+    return {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
+
+
 def planned_prefetch(entries, default: int) -> int:
     """The prefetch depth a plan runs with: the planner's choice (``PlanEntry.prefetch``), else ``default``."""
     return next((e.prefetch for e in entries if e.prefetch is not None), default)

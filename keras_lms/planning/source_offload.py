@@ -26,7 +26,7 @@ import logging
 
 from keras_lms.planning import rules
 from keras_lms.planning.memory_model import tensor_sizes
-from keras_lms.planning.plan import CallDecision
+from keras_lms.planning.plan import CallDecision, offloaded_keys
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def source_candidates(calls, decisions, policy, batch_size: int) -> list:
     ``rules.decide_all``, before the budget narrowed it: include/exclude, keep_last, min_bytes, what the back end
     cannot offload)."""
     sizes_in, sizes_out, keys_out = tensor_sizes(calls, batch_size)
-    copied = {key for call, d in zip(calls, decisions) for key, off in zip(call.keys, d.offload_tensor) if off}
+    copied = offloaded_keys(calls, decisions)
     found = []
     for i, d in enumerate(decisions):
         if d.offloaded or not policy[i].offloaded or len(keys_out[i]) != 1 or keys_out[i][0] not in copied:
