@@ -11,15 +11,16 @@ recompute fewer halos and bring fewer window rows back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules
+from keras_lms.planning.budget_fit import BudgetError, fit_budget
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
-from keras_lms.planning.memory_model import simulate, tensor_sizes
+from keras_lms.planning.memory_model import BUDGET_MARGIN, simulate
 from keras_lms.planning.plan import (
-    CallDecision,
     plan_entries,
     planned_prefetch,
     planned_short_chains,
@@ -28,34 +29,39 @@ from keras_lms.planning.plan import (
     tensor_bytes,
 )
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
-from keras_lms.planning.slab_choice import MIN_SLAB_BYTES, fastest_fitting_slab
 from keras_lms.planning.source_offload import offload_sources
 from keras_lms.planning.step_time import predict_step_time
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
 
 log = logging.getLogger(__name__)
 
-
-class BudgetError(ValueError):
-    """The step cannot fit the device budget even with every eligible tensor offloaded."""
+__all__ = ["BudgetError", "build_plan", "fit_budget"]
 
 
 def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0, update_bytes: int = 0) -> list:
     """Decide every call of one forward pass: the policy's per-call rules, narrowed to what ``device_budget``
     needs (``static_bytes`` of weights, gradients and optimizer state and the optimizer update's
-    ``update_bytes`` included in the predicted step).
-
-    One ``PlanEntry`` per call, in forward order. ``facts`` is the back end's ``BackendFacts``. With a device
-    profile too, two plans are finished and the faster kept: from the fewest offloads that fit (bytes x
-    distance first) and from every eligible tensor offloaded. Why both: a plan with room left copies what it
-    offloads, while one that offloads everything computes in windows and recomputes cheaply what the other
-    copies; which is faster depends on the room and the link (on H100-PCIe5 the 384^3 float32 3D U-Net at
-    40 GiB: 4.1x the plain step from the fewest offloads, 1.7x from all), and choosing one alone made a larger
-    budget give a much slower plan (the first is kept where they tie).
+    ``update_bytes`` included in the predicted step). One ``PlanEntry`` per call, in forward order. ``facts`` is
+    the back end's ``BackendFacts``. Where the budget is met only without the planner's margin (the largest
+    volumes), ``_plan_at_the_edge``.
     """
     decisions = rules.decide_all(calls, config, batch_size)
     if config.device_budget is None:
         return _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    try:
+        return _budget_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    except BudgetError as error:
+        return _plan_at_the_edge(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, error)
+
+
+def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
+    """The plan that fits ``config.device_budget`` with the margin. With a device profile, two plans are finished
+    and the faster kept: from the fewest offloads that fit (bytes x distance first) and from every eligible
+    tensor offloaded. Why both: a plan with room left copies what it offloads, while one that offloads
+    everything computes in windows and recomputes cheaply what the other copies; which is faster depends on the
+    room and the link (on H100-PCIe5 the 384^3 float32 3D U-Net at 40 GiB: 4.1x the plain step from the fewest
+    offloads, 1.7x from all), and choosing one alone made a larger budget give a much slower plan (the first is
+    kept where they tie)."""
     fewest = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     plan = _finish_plan(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
     if (config.device_profile is None or not any(f.offloaded for f in fewest)  # (the step fits as it is)
@@ -69,6 +75,36 @@ def build_plan(calls, config, facts, batch_size: int = 1, static_bytes: int = 0,
     log.info("keras-lms: planned from every eligible tensor offloaded (predicted step %.3f s instead of %.3f s "
              "from the fewest offloads that fit, on %s).", seconds[1], seconds[0], config.device_profile.name)
     return other
+
+
+def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                      error: BudgetError) -> list:
+    """The plan where ``device_budget`` is met only without the planner's margin: wrap's defaults' (no budget:
+    every eligible tensor offloaded), with a warning. Raises ``error`` where even the defaults' prediction,
+    without the margin, exceeds the budget.
+
+    Why: at the largest volume a budget allows, the margin (``BUDGET_MARGIN``, for the memory model's error)
+    refused the budget although the plan ``wrap`` makes without one runs in it: the 3D U-Net's default plan at
+    400^3 float32 is predicted at 15.9 GiB, peaks at 15.80 GiB in the executed graph on a 16 GiB GPU, and needs
+    18.3 GiB with the margin; a user who named the GPU's memory got a BudgetError for a volume that trains
+    without the budget. Why the defaults and not the fastest plan predicted as small: such plans were planned
+    (at 400^3 float32 and 496^3 mixed_float16, 2.69x and 2.48x the plain step on H100-PCIe5 instead of 3.07x
+    and 3.01x) and peaked at 16.75 and 16.55 GiB in the executed graph, 5% over their prediction, while the
+    defaults' are the plans the largest-cube measurements run (docs/benchmarks.md)."""
+    plan = _finish_plan(calls, decisions, dataclasses.replace(config, device_budget=None), facts, batch_size,
+                        static_bytes, update_bytes)
+    memory = _plan_memory(calls, plan, config, facts, batch_size, static_bytes, update_bytes)
+    if memory.peak_bytes > config.device_budget:
+        raise error
+    log.warning("keras-lms: device_budget %s is met only without the planner's %d%% margin (predicted %s with every "
+                "eligible tensor offloaded): planned as wrap plans without a budget. If the step runs out of device "
+                "memory, use a smaller input or batch.", format_bytes(config.device_budget),
+                round((BUDGET_MARGIN - 1) * 100), format_bytes(memory.peak_bytes))
+    for entry in plan:
+        if entry.offloaded:
+            entry.reason += (f"; device_budget {format_bytes(config.device_budget)} is met only without the "
+                             f"planner's margin (predicted {format_bytes(memory.peak_bytes)}): wrap's defaults")
+    return plan
 
 
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
@@ -198,15 +234,22 @@ def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: i
     the given prefetch depth, recomputed tensors, sweeps (first call -> windows) or offload decisions in place of
     the plan's (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``,
     ``PlanEntry.tensor_offloaded``)."""
+    memory = _plan_memory(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch,
+                          recomputed, swept, offloaded, short_chains)
+    return memory.budget_bytes <= config.device_budget
+
+
+def _plan_memory(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                 prefetch=None, recomputed=None, swept=None, offloaded=None, short_chains=None):
+    """The memory model's ``StepMemory`` of the plan of ``entries`` (what ``_fits_budget`` compares)."""
     if offloaded is None:
         offloaded = [list(e.tensor_offloaded) for e in entries]
-    memory = simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
-                      static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
-                      slab_bytes=planned_slab_bytes(entries),
-                      recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
-                      swept=planned_sweeps(entries) if swept is None else swept,
-                      short_chains=planned_short_chains(entries) if short_chains is None else short_chains)
-    return memory.budget_bytes <= config.device_budget
+    return simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
+                    static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
+                    slab_bytes=planned_slab_bytes(entries),
+                    recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
+                    swept=planned_sweeps(entries) if swept is None else swept,
+                    short_chains=planned_short_chains(entries) if short_chains is None else short_chains)
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
@@ -323,78 +366,3 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
         entries[between].reason += f"; its gradient is taken in {names[2]}'s backward (fused chain)"
         entries[source].reason += f"; its first backward pass is taken in {names[2]}'s backward (fused chain)"
     return entries
-
-
-def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0,
-               offload_all: bool = False):
-    """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``: the
-    fewest offloads that fit, largest bytes x distance first, or with ``offload_all`` every eligible one (once
-    the step does not fit without offloading).
-
-    Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
-    """
-    budget = config.device_budget
-    none = [[False] * len(d.offload_tensor) for d in decisions]
-    plain = simulate(calls, none, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
-                     lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
-    if plain.budget_bytes <= budget:
-        log.info("keras-lms: LMS not needed: the step is predicted to need %s, within device_budget %s.",
-                 format_bytes(plain.budget_bytes), format_bytes(budget))
-        reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
-                  f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
-        return [CallDecision(list(row), reason) for row in none]
-    sizes_in, sizes_out, _ = tensor_sizes(calls, batch_size)
-    n = len(calls)
-    candidates = [i for i, d in enumerate(decisions) if d.offloaded]
-    score = {i: sum(s for s, off in zip(sizes_in[i], decisions[i].offload_tensor) if off) * (n - i) for i in candidates}
-    candidates.sort(key=lambda i: -score[i])
-    chosen = [list(row) for row in none]
-    memory = plain
-    for k, i in enumerate(candidates):
-        chosen[i] = list(decisions[i].offload_tensor)
-        if offload_all and k + 1 < len(candidates):
-            continue
-        memory = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
-                          lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
-        if memory.budget_bytes <= budget:
-            break
-    slab_bytes = config.slab_bytes
-    while memory.budget_bytes > budget and slab_bytes // 2 >= MIN_SLAB_BYTES:
-        # Everything offloaded and still too large: smaller slabs hold smaller working sets (where planned).
-        smaller = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
-                           lean_normalization=config.lean_normalization, slab_bytes=slab_bytes // 2)
-        if smaller.budget_bytes >= memory.budget_bytes:
-            break
-        slab_bytes, memory = slab_bytes // 2, smaller
-    if memory.budget_bytes <= budget and config.device_profile is not None:
-        slab_bytes, memory = fastest_fitting_slab(calls, chosen, config, facts, batch_size, static_bytes,
-                                                  update_bytes, slab_bytes, memory)
-    if memory.budget_bytes > budget:
-        slabs = facts.slab_plans(calls, chosen, batch_size, slab_bytes)
-        built = set(range(n)) - set(facts.elided_concatenations(calls, slabs, batch_size) if slabs else ())
-        largest = max(built or range(n), key=lambda i: sum(sizes_in[i]) + sum(sizes_out[i]))  # (never built: not)
-        need = sum(sizes_in[largest]) + sum(sizes_out[largest])
-        raise BudgetError(
-            f"device_budget {format_bytes(budget)} cannot be met: with every eligible tensor offloaded the step is "
-            f"predicted to need {format_bytes(memory.budget_bytes)} with the planner's margin "
-            f"({format_bytes(static_bytes)} of weights, gradients and optimizer state"
-            + (f", {format_bytes(update_bytes)} of optimizer-update temporaries" if update_bytes else "")
-            + f"). The largest single layer call is {calls[largest].unit.name!r} "
-            f"({format_bytes(need)} for its inputs and outputs at batch size {batch_size}). Use a smaller batch "
-            "or input, a larger budget, or lower min_bytes/keep_last."
-        )
-    log.info("keras-lms: offloading %d of %d layer calls to fit device_budget %s (predicted peak %s).",
-             sum(any(r) for r in chosen), n, format_bytes(budget), format_bytes(memory.budget_bytes))
-    if slab_bytes != config.slab_bytes:
-        log.info("keras-lms: slabs of %s instead of slab_bytes=%s to fit device_budget %s.",
-                 format_bytes(slab_bytes), format_bytes(config.slab_bytes), format_bytes(budget))
-    out = []
-    for i, d in enumerate(decisions):
-        if any(chosen[i]):
-            out.append(CallDecision(chosen[i], d.reason + f" (needed for device_budget {format_bytes(budget)})",
-                                           slab_bytes))
-        elif d.offloaded:
-            out.append(CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
-        else:
-            out.append(d)
-    return out

@@ -94,3 +94,35 @@ def test_with_a_profile_copies_back_start_earlier_where_the_budget_has_room():
     assert fast[0].offloaded and all(e.prefetch is None for e in fast)
     untimed = build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget), FACTS)
     assert all(e.prefetch is None for e in untimed)
+
+
+
+def test_a_budget_met_only_without_the_margin_is_planned_within_the_defaults(caplog, monkeypatch):
+    """At the largest volume a budget allows, the margin refused a budget the defaults' plan (no budget, every
+    eligible tensor offloaded) is predicted to meet: now the budget gets the defaults' plan, with a warning and a
+    reason that say so. A budget below the defaults' own prediction is still refused."""
+    import logging
+
+    from keras_lms.planning import budget as planner
+
+    calls = chain()
+    config = LMSConfig(min_bytes=0, keep_last=0)
+    defaults = build_plan(calls, config, FACTS)
+    memory = simulate(calls, [list(e.tensor_offloaded) for e in defaults], FACTS)
+    assert memory.peak_bytes < memory.budget_bytes  # (the margin on the activations)
+    budget = memory.peak_bytes  # met by the defaults' prediction, not with the margin
+    with caplog.at_level(logging.WARNING, logger="keras_lms.planning.budget"):
+        entries = build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget), FACTS)
+    assert [e.tensor_offloaded for e in entries] == [e.tensor_offloaded for e in defaults]
+    assert "met only without the planner's 15% margin" in caplog.text
+    offloaded = [e for e in entries if e.offloaded]
+    assert offloaded and all("is met only without the planner's margin" in e.reason for e in offloaded)
+    with pytest.raises(BudgetError, match="cannot be met"):
+        build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget - 1), FACTS)
+
+    def refuse(*args):  # the control: the planner before, which refused what the margin refuses
+        raise args[-1]
+
+    monkeypatch.setattr(planner, "_plan_at_the_edge", refuse)
+    with pytest.raises(BudgetError, match="cannot be met"):
+        build_plan(calls, LMSConfig(min_bytes=0, keep_last=0, device_budget=budget), FACTS)
