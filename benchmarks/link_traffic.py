@@ -50,7 +50,8 @@ def cases() -> list:
     chains off (slab_chains.ENABLED); "halo rows convolved" turns exact-row convolution slabs off
     (slab_plan.EXACT_ROWS: every slab convolves its whole window "same" and crops, the control of slab_rows);
     "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps; "swept" and
-    "swept, held" sweep every run, the second holding its convolution outputs between the passes."""
+    "swept, held" sweep every run, the second holding its convolution outputs between the passes; "pooling not
+    folded" differentiates the skip's max pooling itself (sweeps.FOLD_POOLING), the control of the fold."""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
     slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
@@ -74,7 +75,9 @@ def cases() -> list:
             # every level swept, without and with its convolution outputs held between the passes (sweeps.FORCED,
             # HELD_FORCED): the control and the held plan differ in nothing else
             ("3D U-Net 1x32^3, slabs of 64 KiB, swept", unet3d, 1, slabs3d, True, True, True, False),
-            ("3D U-Net 1x32^3, slabs of 64 KiB, swept, held", unet3d, 1, slabs3d, True, True, True, True)]
+            ("3D U-Net 1x32^3, slabs of 64 KiB, swept, held", unet3d, 1, slabs3d, True, True, True, True),
+            ("3D U-Net 1x32^3, slabs of 64 KiB, swept, pooling not folded", unet3d, 1, slabs3d, True, True, True,
+             False, False)]
 
 
 def large_cases(edge: int, profile: str, device_budget: str = "16GiB") -> list:
@@ -99,7 +102,7 @@ def _plain_simulation(builder, batch, model, x_shape, y_shape):
     return _PLAIN[key]
 
 
-def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held=None) -> dict:
+def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held=None, fold=True) -> dict:
     from keras_lms.offload.tensorflow import slab_chains, slab_plan, sweeps
 
     model = build(builder)
@@ -107,7 +110,7 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held
     plain = _plain_simulation(builder, batch, model, x_shape, y_shape)
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
     slab_plan.EXACT_ROWS = exact
-    sweeps.ENABLED = sweep
+    sweeps.ENABLED, sweeps.FOLD_POOLING = sweep, fold
     if held is not None:  # every sweep forced, its units held or not
         sweeps.FORCED, sweeps.HELD_FORCED = True, held
     try:
@@ -116,7 +119,7 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held
         # timed on a profile only to read the plan's own recompute FLOPs (a wrapped model's plan is kept as is)
         rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:], device_profile=TIMING_PROFILE)
     finally:
-        slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = True
+        slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = sweeps.FOLD_POOLING = True
         sweeps.FORCED = sweeps.HELD_FORCED = False
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
@@ -130,6 +133,8 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held
                 swept=sum(e.sweep is not None for e in wrapped.lms_plan or wrapped.plan(batch)),
                 held=sum(len(e.sweep_held) for e in wrapped.lms_plan or wrapped.plan(batch) if e.sweep
                          and e.index == e.sweep[0]),
+                folded=sum(1 for e in wrapped.lms_plan or wrapped.plan(batch) if e.sweep_folded
+                           and e.index == e.sweep[0]),
                 peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],
                 report_recompute_flops=rep.times["as planned"].recompute_flops,
                 measured_recompute_flops=sim.conv_flops - plain.conv_flops, plain_conv_flops=plain.conv_flops,

@@ -36,6 +36,7 @@ class SweepTiming(typing.NamedTuple):
     handed: dict = {}  # call -> the call at whose backward start its upstream gradient (its trigger) exists
     first_pass: int | None = None  # the call whose backward runs the first pass
     early_bytes: int = 0  # what the first pass holds from its prefetched windows' arrival until it runs
+    summed: frozenset = frozenset()  # tensors whose gradient parts a pass adds window by window (no whole sum)
 
 
 class BackendFacts:

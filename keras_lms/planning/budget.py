@@ -79,55 +79,90 @@ def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
 
 def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
                       error: BudgetError) -> list:
-    """The plan where ``device_budget`` is met only without the planner's margin: wrap's defaults' (no budget:
-    every eligible tensor offloaded), with a warning. Raises ``error`` where even the defaults' prediction,
-    without the margin, exceeds the budget.
+    """The plan where the budget planner's starts (``fit_budget``) refused ``device_budget``: from wrap's defaults
+    (no budget: every eligible tensor offloaded, finished with level sweeps and recomputed tensors), which may fit
+    where those starts, simulated before any sweep, did not. Where the defaults fit with the planner's margin,
+    the budget's plan is finished from every eligible tensor offloaded (kept calls, held sweep units, prefetch,
+    each only where it still fits) and taken where it is faster; where they fit only without the margin, the
+    defaults' plan, with a warning; else ``error``.
 
-    Why: at the largest volume a budget allows, the margin (``BUDGET_MARGIN``, for the memory model's error)
-    refused the budget although the plan ``wrap`` makes without one runs in it: the 3D U-Net's default plan at
-    400^3 float32 is predicted at 15.9 GiB, peaks at 15.80 GiB in the executed graph on a 16 GiB GPU, and needs
-    18.3 GiB with the margin; a user who named the GPU's memory got a BudgetError for a volume that trains
-    without the budget. Why the defaults and not the fastest plan predicted as small: such plans were planned
-    (at 400^3 float32 and 496^3 mixed_float16, 2.69x and 2.48x the plain step on H100-PCIe5 instead of 3.07x
-    and 3.01x) and peaked at 16.75 and 16.55 GiB in the executed graph, 5% over their prediction, while the
-    defaults' are the plans the largest-cube measurements run (docs/benchmarks.md)."""
-    plan = _finish_plan(calls, decisions, dataclasses.replace(config, device_budget=None), facts, batch_size,
-                        static_bytes, update_bytes)
-    memory = _plan_memory(calls, plan, config, facts, batch_size, static_bytes, update_bytes)
+    Why: at the largest volumes the margin (``BUDGET_MARGIN``, for the memory model's error) refused a budget that
+    the plan ``wrap`` makes without one runs in: the 3D U-Net's default plan at 400^3 float32 is predicted at
+    15.9 GiB, peaked at 15.80 GiB in the executed graph on a 16 GiB GPU, and needed 18.3 GiB with the margin; a
+    user who named the GPU's memory got a BudgetError for a volume that trains without the budget. And with the
+    skip poolings' gradients folded into the sweeps (``offload.tensorflow.sweeps``), the default plan at 496^3
+    mixed_float16 is predicted at 12.0 GiB, while the starts without sweeps still need more than 16. Why not the
+    fastest plan predicted as small as the defaults where only they fit without the margin: such plans were
+    planned (400^3 float32 and 496^3 mixed_float16 on H100-PCIe5: 2.69x and 2.48x the plain step instead of
+    3.07x and 3.01x) and peaked at 16.75 and 16.55 GiB in the executed graph, 5% over their prediction."""
+    defaults = _finish_plan(calls, decisions, dataclasses.replace(config, device_budget=None), facts, batch_size,
+                            static_bytes, update_bytes)
+    memory = _plan_memory(calls, defaults, config, facts, batch_size, static_bytes, update_bytes)
+    if memory.budget_bytes <= config.device_budget:
+        plan = _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+        fits = _fits_budget(calls, plan, config, facts, batch_size, static_bytes, update_bytes,
+                            prefetch=planned_prefetch(plan, config.prefetch))
+        if fits and (config.device_profile is None or _plan_seconds(calls, plan, config, facts, batch_size)
+                     < _plan_seconds(calls, defaults, config, facts, batch_size)):
+            return plan
+        return defaults
     if memory.peak_bytes > config.device_budget:
         raise error
     log.warning("keras-lms: device_budget %s is met only without the planner's %d%% margin (predicted %s with every "
                 "eligible tensor offloaded): planned as wrap plans without a budget. If the step runs out of device "
                 "memory, use a smaller input or batch.", format_bytes(config.device_budget),
                 round((BUDGET_MARGIN - 1) * 100), format_bytes(memory.peak_bytes))
-    for entry in plan:
+    for entry in defaults:
         if entry.offloaded:
             entry.reason += (f"; device_budget {format_bytes(config.device_budget)} is met only without the "
                              f"planner's margin (predicted {format_bytes(memory.peak_bytes)}): wrap's defaults")
-    return plan
+    return defaults
 
 
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
     """The plan's entries from the offload decisions: slabs, sweeps, recomputed tensors, prefetch and, with a
-    budget and a profile, the calls kept where the budget has room (``_keep_where_room``), then the sweep units
-    held on the device (``sweep_plan.plan_sweep_windows``)."""
+    budget and a profile, the budget's leftover room used (``_use_room``): with the keep search and without it,
+    the faster kept. Why both: the searches are greedy, and calls kept first take room that the sweep units held
+    last use better; with the skip poolings' gradients in the sweeps (``offload.tensorflow.sweeps``), the 448^3
+    mixed_float16 plan at 16 GiB was 0.466 s with the keep search and 0.444 s without it."""
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
-    if config.device_profile is not None and config.device_budget is not None:
-        for _ in range(KEEP_ROUNDS):
-            decisions, entries, kept = _keep_where_room(calls, decisions, entries, config, facts, batch_size,
-                                                        static_bytes, update_bytes)
-            if not kept:
-                break
-        decisions, entries = _offload_sources(calls, decisions, entries, config, facts, batch_size, static_bytes,
-                                              update_bytes)
-        # held sweep units last, on the finished plan's leftover room (earlier they took room that kept calls use
-        # better: docs/design.md, "Held convolution outputs in sweeps")
-        plan_sweep_windows(calls, entries, config, facts, batch_size,
-                           lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                      update_bytes, swept=swept))
-        note_swept_host_bytes(entries)  # (a run swept only now copies nothing inside it either)
-    return entries
+    if config.device_profile is None or config.device_budget is None:
+        return entries
+    settings = (config, facts, batch_size, static_bytes, update_bytes)
+    kept, searched = _use_room(calls, decisions, entries, *settings, keep=True)
+    if not searched:
+        return kept
+    unkept, _ = _use_room(calls, decisions, _plan_decisions(calls, decisions, *settings), *settings, keep=False)
+    seconds = [_plan_seconds(calls, p, config, facts, batch_size) for p in (kept, unkept)]
+    if seconds[1] >= seconds[0]:
+        return kept
+    log.info("keras-lms: planned without keeping offloaded calls on the device (predicted step %.3f s instead of "
+             "%.3f s on %s).", seconds[1], seconds[0], config.device_profile.name)
+    return unkept
+
+
+def _use_room(calls, decisions, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+              keep: bool) -> tuple:
+    """``(entries, whether the keep search kept a call)``: the budget's leftover room used by, in turn, the calls
+    kept where it has room (``_keep_where_room``, with ``keep``), small inputs offloaded (``_offload_sources``)
+    and the sweep units held on the device (``sweep_plan.plan_sweep_windows``, last: earlier they took room that
+    kept calls use better, docs/design.md, "Held convolution outputs in sweeps")."""
+    searched = False
+    for _ in range(KEEP_ROUNDS if keep else 0):
+        decisions, entries, kept = _keep_where_room(calls, decisions, entries, config, facts, batch_size,
+                                                    static_bytes, update_bytes)
+        searched = searched or kept
+        if not kept:
+            break
+    decisions, entries = _offload_sources(calls, decisions, entries, config, facts, batch_size, static_bytes,
+                                          update_bytes)
+    ahead = planned_prefetch(entries, config.prefetch)  # (the plan's prefetch depth holds copies back longer)
+    plan_sweep_windows(calls, entries, config, facts, batch_size,
+                       lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                  update_bytes, prefetch=ahead, swept=swept))
+    note_swept_host_bytes(entries)  # (a run swept only now copies nothing inside it either)
+    return entries, searched
 
 
 def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,

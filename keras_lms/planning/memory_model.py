@@ -232,7 +232,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             hold(timing.early_bytes, arrives(timing.first_pass), positions - 2 - timing.first_pass)
     if facts.gradients_wait_between_readers:
         _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, facts.concatenate_gradient_is_view,
-                                facts.gradient_sum_allocated)
+                                facts.gradient_sum_allocated, frozenset().union(*(t.summed for t in timings)))
     if facts.weight_gradients_from_their_backward:
         _release_pending_weight_gradients(calls, positions, hold)
     for size, start, end in info.values():
@@ -259,7 +259,7 @@ def _hold_recompute_inputs(source, start: int, backward: int, arrives, hold) -> 
 
 
 def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, concatenate_views: bool,
-                            sum_allocated: bool):
+                            sum_allocated: bool, summed_in_windows=frozenset()):
     """Gradients that wait on the device between backward positions (an autograd engine's input buffers).
 
     A tensor read by several calls gets its gradient in parts: the first part arrives with the backward of its
@@ -268,7 +268,8 @@ def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, concate
     gradient arrives with the decoder's concatenation and waits through the whole lower part of the backward;
     where a concatenation's input gradients are views (``concatenate_views``), as a slice of its output
     gradient, which it keeps alive whole. (Adjacent positions are already counted as the gradients of each
-    call's inputs and outputs.)
+    call's inputs and outputs.) The parts of ``summed_in_windows`` are added window by window by a level sweep's
+    pass (``SweepTiming.summed``): no sum is allocated.
     """
     produced = {}  # key -> (producer index, bytes)
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
@@ -287,7 +288,7 @@ def _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, concate
             if concatenate_views and layer_facts.is_keras_class(calls[last].unit, {"Concatenate"}):
                 part = sum(sizes_out[last])
             hold(part, positions - last, positions - 1 - first)
-            if sum_allocated:
+            if sum_allocated and key not in summed_in_windows:
                 hold(size, positions - 1 - first, positions - 1 - first)
         if first > producer + 1:  # the summed gradient, until the producer's backward
             hold(size, positions - first, positions - 2 - producer)

@@ -45,6 +45,9 @@ class PlanEntry:
             device memory and recompute more halo rows; the planner chooses); None outside a sweep.
         sweep_held: the unit numbers (from 1) of that sweep whose convolution outputs its passes hold on the device
             from the first pass to their own instead of convolving again (``Sweep.held``); empty: none.
+        sweep_folded: ``(pooling call, stride)`` when that sweep's first pass also takes the input gradient of
+            the pooling that reads the run's output (``Sweep.folded``; its windows start on multiples of the
+            stride); None otherwise.
         parked_inputs: positions of this call's inputs that go to host memory right after it, for a far later
             reader that reads them from there a window of rows at a time (``BackendFacts.parked_inputs``: JAX's
             U-Net skips, read by the decoder's windowed convolution); empty: none.
@@ -74,6 +77,7 @@ class PlanEntry:
     sweep: tuple | None = None
     sweep_windows: int | None = None
     sweep_held: tuple = ()
+    sweep_folded: tuple | None = None
     prefetch: int | None = None
     parked_inputs: list = dataclasses.field(default_factory=list)
 
@@ -154,6 +158,7 @@ class CallDecision:
     sweep: tuple | None = None  # the call indices of its level sweep: PlanEntry.sweep
     sweep_windows: int | None = None  # PlanEntry.sweep_windows
     sweep_held: tuple = ()  # PlanEntry.sweep_held
+    sweep_folded: tuple | None = None  # PlanEntry.sweep_folded
 
     @property
     def offloaded(self) -> bool:

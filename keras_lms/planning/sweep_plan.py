@@ -131,10 +131,18 @@ def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
                 note = _note(calls, sweep, entries[i].sweep_windows, entries[i].sweep_held, why)
                 entries[i].reason = entries[i].reason.replace(note, "")
                 entries[i].sweep, entries[i].sweep_windows, entries[i].sweep_held = None, None, ()
+                entries[i].sweep_folded = None
             if sweep.first in chosen:
                 windows, held = sweep_setting(chosen[sweep.first])
                 entries[i].sweep, entries[i].sweep_windows, entries[i].sweep_held = sweep.calls, windows, held
+                entries[i].sweep_folded = (sweep.folded, sweep.align) if sweep.folded is not None else None
                 entries[i].reason += _note(calls, sweep, windows, held, why)
+        if sweep.folded is not None:
+            note = (f"; its input gradient is taken in {calls[sweep.units[-1][2]].unit.name}'s level sweep, window "
+                    "by window (no windows of its own read back)")
+            entries[sweep.folded].reason = entries[sweep.folded].reason.replace(note, "")
+            if sweep.first in chosen:
+                entries[sweep.folded].reason += note
 
 
 def _note(calls, sweep, windows: int, held: tuple, why: str) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_lms.offload.tensorflow import sweeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
@@ -108,11 +107,12 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
     """The windows a sweep's passes read and the forward they recompute, slab by slab, as ``sweep_calls`` runs
     them: pass A recomputes every unit on its slab's rows, pass B_j convolution j on the rows its input gradient
     reads (``[s0 - h, s1 + h)``) and the units below it on rows widened by each convolution's halo; a held unit
-    (``Sweep.held``) is convolved in pass A only."""
+    (``Sweep.held``) is convolved in pass A only; a folded pooling (``Sweep.folded``) is pass A's, and reads no
+    windows of its own."""
     units = sweep.units
     first = units[0][0]
     length = slabs[first].length
-    bounds = sweeps.sweep_bounds(length, sweep.windows)
+    bounds = sweep.bounds(length)
     tensors, concatenated = read_parts(calls, first, parts, batch_size)
     row = list(offloaded[first]) * len(tensors) if concatenated else list(offloaded[first])
     inputs = [(k, s) for (k, s, _), off in zip(tensors, row) if off]
@@ -155,6 +155,8 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
             gradients = costs[conv].weight_gradient_flops + (costs[conv].input_gradient_flops
                                                              if j > 1 or not from_model_input else 0.0)
             work[bn][0] += gradients * extra
+    if sweep.folded is not None:  # pass A takes the pooling's gradient: it recomputes the pooling, reads nothing
+        work.setdefault(units[-1][2], [0.0, 0.0])[1] += call_cost(calls[sweep.folded], batch_size).forward_bytes
     sizes = dict(inputs)
     out = tuple((owner, key, sizes[key], rows, len(bounds)) for (owner, key), rows in sorted(reads.items()))
-    return SweepTraffic(first, frozenset(sweep.calls), tuple(inputs), out, work, len(bounds), length)
+    return SweepTraffic(first, frozenset(sweep.members), tuple(inputs), out, work, len(bounds), length)

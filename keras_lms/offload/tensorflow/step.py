@@ -51,6 +51,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
         self.device_held = set()  # refs of tensors kept on the device by non-offloaded layers with weights
         self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
         self.produced_at = {}  # tensor ref -> index of the call that produced it (graph mode)
+        self.folded_poolings = {}  # pooling call index -> the SweepRun whose pass A takes its input gradient
         self.chain_windows = {}  # (call index, a, b) -> a fused chain's windows, for its further gradients
         # calls whose outputs the plan recomputes in windows instead of copying (recomputed_copies)
         self.recomputed_producers = {entry.index for entry in plan if entry.recomputed_output}
@@ -182,6 +183,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
         if chain is not None and chain[1] is not None:
             record.kept = [None]
         self.records[index] = record
+        self._check_folded_pooling(index, unit, tensors)
         forward = {}
 
         @tf.custom_gradient
@@ -223,7 +225,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
             self.output_records[record.output_key] = record
         self._note_outputs(unit, tensors, outputs)
         if decision.sweep is not None and index == decision.sweep[-1] and not self.eager:
-            self._bind_sweep(decision.sweep, decision.sweep_windows, decision.sweep_held)
+            self._bind_sweep(decision.sweep, decision.sweep_windows, decision.sweep_held, decision.sweep_folded)
         return outputs
 
     def _chain(self, decision, plan, tensors, concatenated):
@@ -282,6 +284,8 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
             with _on_device(device):
                 record.marker = tf.identity(arrived, name=f"{GRAD_ARRIVAL_NAME}_{record.index}")
             trigger = self._trigger(record)
+        if record.index in self.folded_poolings:
+            return self._fold_into_sweep(self.folded_poolings[record.index], record, upstream[0])
         if record.sweep is not None:
             return self._sweep_backward(record, upstream[0], trigger, foreign_variables)
         if record.fused_gradient is not None:

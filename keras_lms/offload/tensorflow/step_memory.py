@@ -166,10 +166,11 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     A at the last activation, pass B_j, convolution j's backward, at BatchNorm j. The other calls only hold the
     gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``). A held unit's
     convolution output (``Sweep.held``) is on the device from pass A to pass B_j: charged to every call of the run
-    whose backward runs in between (a run's calls are consecutive: a U-Net level's block)."""
+    whose backward runs in between (a run's calls are consecutive: a U-Net level's block). A folded pooling
+    (``Sweep.folded``) holds its output gradient until pass A, which recomputes the pooling on one more window."""
     units = sweep.units
     plan = slabs[units[0][1]]
-    windows = dataclasses.replace(plan, bounds=sweeps.sweep_bounds(plan.length, sweep.windows))
+    windows = dataclasses.replace(plan, bounds=sweep.bounds(plan.length))
     first = units[0][0]
     parts = concatenation_parts(calls, 1).get(calls[first].keys[0]) if len(calls[first].keys) == 1 else None
     held = {}
@@ -184,6 +185,9 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
     held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows)
+    if sweep.folded is not None:
+        held[sweep.folded] = sum(sizes_out[sweep.folded])
+        held[last] += int(sum(sizes_in[sweep.folded]) / max(1, sweep.windows))
     for j in sweep.held:
         conv, bn, _ = units[j - 1]
         for i in sweep.calls:
@@ -324,7 +328,8 @@ class TensorFlowFacts(BackendFacts):
         # to it when BatchNorm j's pass starts (slab_calls: BatchNorm's backward returns its upstream gradient)
         return SweepTiming(passes=frozenset([bn for _, bn, _ in sweep.units] + [sweep.units[-1][2]]),
                            handed={conv: bn for conv, bn, _ in sweep.units}, first_pass=sweep.units[-1][2],
-                           early_bytes=prefetched_sweep_bytes(calls, sweep, input_sizes))
+                           early_bytes=prefetched_sweep_bytes(calls, sweep, input_sizes),
+                           summed=frozenset(calls[sweep.folded].keys if sweep.folded is not None else ()))
 
     def sweep_traffic(self, calls, sweep, slabs: dict, offloaded, batch_size: int):
         return slab_costs.sweep_traffic(calls, sweep, slabs, offloaded, concatenation_parts(calls, batch_size),

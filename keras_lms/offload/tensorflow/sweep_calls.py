@@ -27,7 +27,9 @@ class SweepRun:
     (``TotalMoments``); ``normalization_weights[j]``: its scale and offset gradients; ``convolution[j]``: the
     convolution's (input gradients, weight gradients). Units are numbered from 1, in forward order.
     ``held``: the units whose convolution output pass A keeps, one piece per window in ``outputs[j]``, for the
-    later passes to slice (``sweeps.Sweep.held``).
+    later passes to slice (``sweeps.Sweep.held``). ``folded``: the index of the pooling whose input gradient pass
+    A takes (``sweeps.Sweep.folded``), and ``pooling`` its record and output gradient once its backward ran;
+    ``align`` its stride.
     """
 
     units: list
@@ -39,6 +41,9 @@ class SweepRun:
     first_pass: dict = dataclasses.field(default_factory=dict)
     normalization_weights: dict = dataclasses.field(default_factory=dict)
     convolution: dict = dataclasses.field(default_factory=dict)
+    folded: int | None = None
+    align: int = 1
+    pooling: tuple | None = None
 
     @property
     def size(self) -> int:
@@ -51,9 +56,10 @@ class SweepCalls:
     ``_fenced_gradients``)."""
 
     # ------------------------------------------------------------------ forward: bind the run's records
-    def _bind_sweep(self, indices, windows: int, held=()) -> None:
+    def _bind_sweep(self, indices, windows: int, held=(), folded=None) -> None:
         """After the run's last call: give its records their roles, or leave them to the per-call backward (with
-        a warning) when the step did not build what the passes need."""
+        a warning) when the step did not build what the passes need. ``folded``: ``(pooling call, stride)``
+        (``PlanEntry.sweep_folded``)."""
         records = [self.records.get(i) for i in indices]
         why = _unsweepable(records)
         if why is not None:
@@ -61,9 +67,32 @@ class SweepCalls:
             return
         units = [tuple(records[k:k + 3]) for k in range(0, len(records), 3)]
         length = units[0][0].slabs.length
-        run = SweepRun(units, sweep_bounds(length, windows), length, frozenset(held))
+        align = folded[1] if folded is not None else 1
+        run = SweepRun(units, sweep_bounds(length, windows, align), length, frozenset(held),
+                       folded=folded[0] if folded is not None else None, align=align)
         for j, (conv, bn, act) in enumerate(units, 1):
             conv.sweep, bn.sweep, act.sweep = (run, "conv", j), (run, "bn", j), (run, "act", j)
+        if run.folded is not None:
+            self.folded_poolings[run.folded] = run
+
+    def _check_folded_pooling(self, index, unit, tensors) -> None:
+        """At a folded pooling's forward: it must read the run's output alone, else it differentiates itself
+        (with a warning; the plan's memory was predicted for the fold)."""
+        run = self.folded_poolings.get(index)
+        if run is None:
+            return
+        act = run.units[-1][2]
+        if len(tensors) != 1 or act.output_key is None or tensors[0].ref() != act.output_key:
+            log.warning("keras-lms: %r does not read %r's output as planned; its gradient is taken by its own "
+                        "backward, not the level sweep's first pass.", unit.name, act.unit.name)
+            del self.folded_poolings[index]
+            run.folded = None
+
+    def _fold_into_sweep(self, run, record, dy):
+        """A folded pooling's backward: hand its output gradient to the run's pass A, return no input gradient
+        (so the activation's gradient is the concatenation's part alone: no whole sum)."""
+        run.pooling = (record, dy)
+        return [None] * (len(record.hosts) + len(record.trainable))
 
     # ------------------------------------------------------------------ backward
     def _sweep_backward(self, record, dy, trigger, foreign_variables):
@@ -98,6 +127,8 @@ class SweepCalls:
             with on_device(reader.compute_device):
                 with slabs.gated([finished[1]]):
                     dy_rows = slabs.rows(dy, s0, s1)
+                if run.folded is not None and run.folded in self.records:  # (else TensorFlow differentiated it)
+                    dy_rows = dy_rows + self._folded_pooling_rows(run, r, s0, s1)
                 g = direct(r, dy_rows)
                 first = self._first_pass_piece(bn, c, g)
             pieces.append(slabs.layout_fence(g))
@@ -106,6 +137,19 @@ class SweepCalls:
         run.gradients[m] = tf.concat(pieces, slabs.AXIS)
         self._hand_first_pass(run, m, parts)
         return run.gradients[m]
+
+    def _folded_pooling_rows(self, run, r, s0, s1):
+        """Rows [s0, s1) of the folded pooling's input gradient: the pooling recomputed on pass A's activation rows
+        ``r`` and differentiated for its output gradient's rows [s0 / stride, s1 / stride) (it tiles: those rows
+        are the window's own)."""
+        if run.pooling is None:  # its backward runs before the activation's, which it reads: a bug if not
+            raise RuntimeError("keras-lms: the level sweep's first pass ran before the folded pooling's backward; "
+                               "set keras_lms.offload.tensorflow.sweeps.FOLD_POOLING = False")
+        pooling, dy = run.pooling
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(r)
+            y = tf.nest.flatten(self._slab_call(pooling, [r], pooling.trainable)[0])[0]
+        return tape.gradient(y, r, output_gradients=slabs.rows(dy, s0 // run.align, s1 // run.align))
 
     def _sweep_second_pass(self, run, j, G, trigger, reader):
         """Pass B_j: BatchNorm j's second pass and convolution j's backward on ``c_j``'s recomputed rows, and, for

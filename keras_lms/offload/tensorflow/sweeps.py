@@ -35,6 +35,16 @@ the predicted step time on the device profile (``budget``: only with ``device_pr
 the plan (``PlanEntry.sweep``) and ``sweep_calls`` runs them. ``ENABLED = False`` offers none (for comparisons);
 ``FORCED = True`` sweeps every candidate, with or without a profile (the tests' and benchmarks' switch), and
 ``HELD_FORCED = True`` then holds every unit it can.
+
+Where the run's output (a U-Net encoder's skip tensor) is read by a tiling pooling and by a concatenation, pass A
+also takes the pooling's input gradient, window by window, from its output gradient and the activation rows it
+recomputes anyway (``Sweep.folded``). Why: otherwise the pooling's backward assembles that gradient whole from
+its slab pieces, and TensorFlow adds it to the concatenation's part in an ``AddN``, so the step held the skip
+part, the pooling's pieces, their concatenation and the sum at once: four level-0 tensors, 16.7 GiB at 400^3
+float32, the executed graph's peak (docs/design.md, "The skip junction"). Folded, the pooling returns no input
+gradient (the concatenation's part alone reaches the activation, no sum) and pass A adds the pooling's share per
+window; its windows start on multiples of the pooling's stride (``Sweep.align``). ``FOLD_POOLING = False`` is
+the control.
 """
 
 from __future__ import annotations
@@ -50,6 +60,8 @@ from keras_lms.planning.plan import call_graph
 ENABLED = True
 FORCED = False
 HELD_FORCED = False
+FOLD_POOLING = True
+TILING_POOLINGS = {"MaxPooling2D", "MaxPooling3D", "AveragePooling2D", "AveragePooling3D"}
 MAX_UNITS = 2  # units per run: pass B_j recomputes units 1..j, so the recompute grows as m^2 (a U-Net level: 2)
 
 
@@ -62,6 +74,8 @@ class Sweep:
     (the units' densest slab count: windows as thick as the slabs, fewer halos recomputed, more memory per pass).
     ``held``: the unit numbers (from 1, forward order) whose convolution output the passes hold on the device
     from pass A to their pass B instead of convolving again; ``hold_options``: the sets a planner may choose.
+    ``folded``: the pooling call whose input gradient pass A takes (module docstring), or None; ``align``: the
+    row multiple its windows start on (that pooling's stride).
     """
 
     units: tuple
@@ -69,6 +83,8 @@ class Sweep:
     window_options: tuple = ()
     held: tuple = ()
     hold_options: tuple = ()
+    folded: int | None = None
+    align: int = 1
 
     @property
     def calls(self) -> tuple:
@@ -77,6 +93,15 @@ class Sweep:
     @property
     def first(self) -> int:
         return self.units[0][0]
+
+    @property
+    def members(self) -> tuple:
+        """The calls whose backward the passes take: the run's, and a folded pooling's."""
+        return self.calls + ((self.folded,) if self.folded is not None else ())
+
+    def bounds(self, length: int) -> tuple:
+        """The windows' (start, end) rows over ``length`` rows (``sweep_bounds`` with this sweep's ``align``)."""
+        return sweep_bounds(length, self.windows, self.align)
 
 
 def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
@@ -106,9 +131,34 @@ def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
             plans = [slabs[c] for c, _, _ in run] + [slabs[b] for _, b, _ in run]
             thinnest, thickest = sweep_windows(plans), sweep_windows(plans, 1)
             holds = hold_options(calls, run)
+            folded = folded_pooling(calls, run[-1][2], offloaded, consumers, slabs[run[0][0]].length)
             runs.append(Sweep(run, thinnest, tuple(dict.fromkeys((thinnest, thickest))),
-                              holds[-1] if HELD_FORCED and holds else (), holds))
+                              holds[-1] if HELD_FORCED and holds else (), holds,
+                              *(folded if folded is not None else (None, 1))))
     return runs
+
+
+def folded_pooling(calls, act: int, offloaded, consumers: dict, length: int):
+    """``(pooling call, stride)`` when pass A can take the input gradient of the pooling that reads activation
+    ``act``'s output (module docstring): the output's readers are that pooling and a concatenation (whose gradient
+    part always reaches the activation, so its backward, and pass A, run), the pooling is offloaded (its backward
+    is the wrapper's), channels-last, tiling along the sliced axis (pool size = stride: windows on multiples of
+    the stride own their pooled rows) and the length is a multiple of the stride; else None."""
+    if not FOLD_POOLING:
+        return None
+    readers = consumers.get(calls[act].output_keys[0], [])
+    pools = [i for i in readers if layer_facts.is_keras_class(calls[i].unit, TILING_POOLINGS)]
+    others = [i for i in readers if layer_facts.is_keras_class(calls[i].unit, {"Concatenate"})]
+    if len(readers) != 2 or len(pools) != 1 or len(others) != 1:
+        return None
+    p = pools[0]
+    unit = calls[p].unit
+    if len(calls[p].keys) != 1 or not any(offloaded[p]) or getattr(unit, "data_format", None) != "channels_last":
+        return None
+    size, stride = tuple(unit.pool_size)[0], tuple(unit.strides)[0]
+    if size != stride or length % stride:
+        return None
+    return p, stride
 
 
 def _unit(calls, v: int, offloaded, slabs: dict, consumers: dict, facts):
@@ -165,6 +215,7 @@ def sweep_windows(plans, divisor: int = WINDOW_DIVISOR) -> int:
     return min(densest.length, densest.count * divisor)
 
 
-def sweep_bounds(length: int, windows: int) -> tuple:
-    """The (start, end) rows of each of a sweep's ``windows`` windows over ``length`` rows."""
-    return slab_bounds(length, windows)
+def sweep_bounds(length: int, windows: int, align: int = 1) -> tuple:
+    """The (start, end) rows of each of a sweep's ``windows`` windows over ``length`` rows, inner edges multiples
+    of ``align`` (``Sweep.align``)."""
+    return slab_bounds(length, windows, align)
