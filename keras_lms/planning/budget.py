@@ -79,32 +79,29 @@ def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
 
 def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
                       error: BudgetError) -> list:
-    """The plan where the budget planner's starts (``fit_budget``) refused ``device_budget``: from wrap's defaults
-    (no budget: every eligible tensor offloaded, finished with level sweeps and recomputed tensors), which may fit
-    where those starts, simulated before any sweep, did not. Where the defaults fit with the planner's margin,
-    the budget's plan is finished from every eligible tensor offloaded (kept calls, held sweep units, prefetch,
-    each only where it still fits) and taken where it is faster; where they fit only without the margin, the
-    defaults' plan, with a warning; else ``error``.
+    """The plan where the budget planner's starts (``fit_budget``) refused ``device_budget``: wrap's defaults (no
+    budget: every eligible tensor offloaded, finished with level sweeps and recomputed tensors), which may fit
+    where those starts, simulated before any sweep, did not: as they are where they fit with the planner's
+    margin, with a warning where they fit only without it; else ``error``.
 
-    Why: at the largest volumes the margin (``BUDGET_MARGIN``, for the memory model's error) refused a budget that
-    the plan ``wrap`` makes without one runs in: the 3D U-Net's default plan at 400^3 float32 is predicted at
-    15.9 GiB, peaked at 15.80 GiB in the executed graph on a 16 GiB GPU, and needed 18.3 GiB with the margin; a
-    user who named the GPU's memory got a BudgetError for a volume that trains without the budget. And with the
-    skip poolings' gradients folded into the sweeps (``offload.tensorflow.sweeps``), the default plan at 496^3
-    mixed_float16 is predicted at 12.0 GiB, while the starts without sweeps still need more than 16. Why not the
-    fastest plan predicted as small as the defaults where only they fit without the margin: such plans were
-    planned (400^3 float32 and 496^3 mixed_float16 on H100-PCIe5: 2.69x and 2.48x the plain step instead of
-    3.07x and 3.01x) and peaked at 16.75 and 16.55 GiB in the executed graph, 5% over their prediction."""
+    Why: at the largest volumes the starts refused a budget that the plan ``wrap`` makes without one runs in: the
+    3D U-Net's default plan at 400^3 float32 is predicted at 15.9 GiB (14.9 with the skip poolings' gradients in
+    the sweeps) and peaks at 15.80 GiB (12.29) in the executed graph on a 16 GiB GPU; at 496^3 mixed_float16 it
+    is predicted at 12.0 GiB while the starts need more than 16. A user who named the GPU's memory got a
+    BudgetError for a volume that trains without the budget.
+    Why the defaults as they are: two faster plans were tried (docs/design.md, "A budget the starts refuse"). The
+    budget's plan finished from the defaults where they fit with the margin (496^3 mixed_float16 on H100-PCIe5,
+    predicted 2.39x the plain step instead of 2.89x) pushed grappler's own estimate of the step to 17.6 GiB, and
+    on a 16 GiB GPU grappler then swapped 28 GiB each way by itself (the defaults: 15.3 GiB, no swaps). The
+    fastest plan predicted as small as the defaults where only they fit without the margin (400^3 float32 and
+    496^3 mixed_float16, 2.69x and 2.48x instead of 3.07x and 3.01x) peaked 5% over its prediction."""
     defaults = _finish_plan(calls, decisions, dataclasses.replace(config, device_budget=None), facts, batch_size,
                             static_bytes, update_bytes)
     memory = _plan_memory(calls, defaults, config, facts, batch_size, static_bytes, update_bytes)
     if memory.budget_bytes <= config.device_budget:
-        plan = _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
-        fits = _fits_budget(calls, plan, config, facts, batch_size, static_bytes, update_bytes,
-                            prefetch=planned_prefetch(plan, config.prefetch))
-        if fits and (config.device_profile is None or _plan_seconds(calls, plan, config, facts, batch_size)
-                     < _plan_seconds(calls, defaults, config, facts, batch_size)):
-            return plan
+        log.info("keras-lms: device_budget %s: planned as wrap plans without a budget (predicted %s; every eligible "
+                 "tensor offloaded was predicted not to fit before the level sweeps).",
+                 format_bytes(config.device_budget), format_bytes(memory.peak_bytes))
         return defaults
     if memory.peak_bytes > config.device_budget:
         raise error

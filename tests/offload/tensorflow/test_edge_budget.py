@@ -2,9 +2,9 @@
 measures: the 3D U-Net at 400^3 float32 and 496^3 mixed_float16 (the largest that fit 16 GiB) with a 16 GiB budget.
 The starts (every eligible tensor offloaded, simulated before any level sweep) refused both, although ``wrap``'s
 defaults (no budget) run there (their executed peaks: ``benchmarks/simulated_gpu_peak.py --cube-edges 400``,
-docs/benchmarks.md). Now a budget the finished defaults meet with the planner's margin gets the budget's plan
-finished from them (496^3 mixed_float16 on H100-PCIe5: the skip poolings' gradients in the sweeps make it fit);
-one they meet only without the margin gets the defaults' plan. Planning only at those sizes."""
+docs/benchmarks.md). Now such a budget gets the defaults' plan where it fits, with the planner's margin (496^3
+mixed_float16 on H100-PCIe5: the skip poolings' gradients in the sweeps make it fit) or only without it (400^3
+float32, with a warning). Planning only at those sizes."""
 
 import pytest
 
@@ -40,13 +40,16 @@ def test_the_largest_float32_cube_gets_the_defaults_plan(profile, monkeypatch):
         keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile=profile)
 
 
-def test_the_largest_mixed_precision_cube_gets_a_budget_plan_from_the_defaults(mixed_precision, monkeypatch):
+def test_the_largest_mixed_precision_cube_gets_the_defaults_plan_within_the_margin(mixed_precision, monkeypatch):
+    """At 496^3 mixed_float16 the skip poolings' gradients in the sweeps put the default plan at 12.0 GiB, within
+    16 GiB with the margin, while the starts (before any sweep) still need more than 16: the defaults' plan, no
+    warning. (Finished further for the budget it was predicted faster, but it made grappler swap 28 GiB each way
+    on a 16 GiB GPU: docs/design.md.)"""
     model = unet((496, 496, 496, 1), 16)
     defaults = keras_lms.report(model, batch_size=1, device_profile="h100-pcie5")
     planned = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
-    assert planned.totals["fits_device_budget"]  # with the margin: 13.9 GiB predicted (the defaults: 12.0)
-    # 2.39x the plain step against the defaults' 2.89x
-    assert planned.times["as planned"].step_seconds < 0.9 * defaults.times["as planned"].step_seconds
+    assert planned.totals["fits_device_budget"] and same_plan(planned, defaults)
+    assert not any("met only without" in r["reason"] for r in planned.rows)
     refuse_as_before(monkeypatch)
     with pytest.raises(keras_lms.BudgetError):
         keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
