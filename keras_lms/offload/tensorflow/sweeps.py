@@ -131,10 +131,10 @@ def level_sweeps(calls, offloaded, slabs: dict, facts) -> list:
             plans = [slabs[c] for c, _, _ in run] + [slabs[b] for _, b, _ in run]
             thinnest, thickest = sweep_windows(plans), sweep_windows(plans, 1)
             holds = hold_options(calls, run)
-            folded = folded_pooling(calls, run[-1][2], offloaded, consumers, slabs[run[0][0]].length)
+            pooling, stride = folded_pooling(calls, run[-1][2], offloaded, consumers, slabs[run[0][0]].length) or (
+                None, 1)
             runs.append(Sweep(run, thinnest, tuple(dict.fromkeys((thinnest, thickest))),
-                              holds[-1] if HELD_FORCED and holds else (), holds,
-                              *(folded if folded is not None else (None, 1))))
+                              holds[-1] if HELD_FORCED and holds else (), holds, folded=pooling, align=stride))
     return runs
 
 
