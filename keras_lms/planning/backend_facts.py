@@ -184,8 +184,9 @@ class BackendFacts:
         (e.g. float32 arithmetic on float16 inputs)."""
         return 0
 
-    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
-        """Bytes a call holds only while its forward runs, besides its inputs and outputs."""
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab, released: int = 0) -> int:
+        """Bytes a call holds only while its forward runs, besides its inputs and outputs. ``released``: the bytes
+        of its inputs that its forward is the last to use (freed before its later temporaries are allocated)."""
         return 0
 
     def backward_layout_bytes(self, call, input_sizes, output_sizes) -> int:

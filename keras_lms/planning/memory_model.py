@@ -226,7 +226,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             source = chains[i][0]
             grads += facts.short_chain_bytes(calls[source], sum(sizes_in[source]), slabs[source])
         hold(grads, backward, backward)
-        hold(facts.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i)), i, i)
+    for i, call in enumerate(calls):  # (once every input's last use is known: what a call's forward frees)
+        released = sum(info[key][0] for key in dict.fromkeys(call.keys) if key in info and info[key][2] == i)
+        hold(facts.forward_temporaries(call, sizes_in[i], sizes_out[i], slabs.get(i), released), i, i)
     for timing in timings:  # a sweep's first windows land early (prefetch) and are recomputed through the run
         if timing.first_pass is not None:
             hold(timing.early_bytes, arrives(timing.first_pass), positions - 2 - timing.first_pass)

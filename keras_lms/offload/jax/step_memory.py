@@ -65,7 +65,7 @@ class JaxFacts(BackendFacts):
     def slab_backward_bytes(self, call, input_sizes, output_sizes, slab) -> int:
         return window_facts.window_backward_bytes(call, input_sizes, output_sizes, slab)
 
-    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab, released: int = 0) -> int:
         return 0 if slab is None else window_facts.window_forward_bytes(call, input_sizes, output_sizes, slab)
 
     def slab_traffic(self, calls, index: int, slab, offloaded_row, batch_size: int):

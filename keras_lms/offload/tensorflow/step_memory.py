@@ -133,8 +133,9 @@ def backward_layout_bytes(call, sizes_in, sizes_out) -> int:
     return 0
 
 
-def forward_temporaries(call, sizes_in, sizes_out, plan) -> int:
-    """Bytes a call holds only while its forward runs, besides its inputs and outputs."""
+def forward_temporaries(call, sizes_in, sizes_out, plan, released: int = 0) -> int:
+    """Bytes a call holds only while its forward runs, besides its inputs and outputs (``released``: the bytes of
+    its inputs freed once its kernel has run, as their last use before the backward)."""
     unit = call.unit
     if plan is not None:  # slab forward: the pieces of the output, then their concatenation
         if plan.moments or computes_in_slabs_forward(unit):
@@ -145,9 +146,22 @@ def forward_temporaries(call, sizes_in, sizes_out, plan) -> int:
         ratio = _compute_ratio(call.dtypes[0])
         return int(sum(sizes_in) * ratio * (3 if ratio > 1 else 1))
     if _channels_first_convolution(call):
-        bias = 1 if getattr(unit, "use_bias", False) and "Transpose" in type(unit).__name__ else 0
-        return sum(sizes_in) + sum(sizes_out) * (1 + bias)
+        if "Transpose" in type(unit).__name__:
+            return transposed_convolution_temporaries(unit, sum(sizes_in), sum(sizes_out), released)
+        return sum(sizes_in) + sum(sizes_out)
     return 0
+
+
+def transposed_convolution_temporaries(unit, input_bytes: int, output_bytes: int, released: int) -> int:
+    """A whole float32 5-D transposed convolution's forward temporaries, in its two phases as the executed graph
+    runs them: the kernel (the input's channels-first copy beside the channels-first output), then the bias
+    addition and the transpose back (the channels-first output, its bias sum and the channels-last result live at
+    once: three outputs), by when the input's copy and the input itself, where nothing later reads it, are freed.
+    Charged both phases at once (the input's copy and two outputs, besides the input), the model put the 432^3
+    float32 default plan's peak at the level-0 up-sampler's forward, 16.95 GiB, where the executed graph holds
+    15.06 (three 4.81 GiB outputs) and peaks at 15.22 elsewhere (docs/design.md, "The up-sampler's forward")."""
+    copies = 2 if getattr(unit, "use_bias", False) else 1
+    return max(input_bytes, copies * output_bytes - released)
 
 
 def slab_backward_bytes(call, sizes_in, sizes_out, plan) -> int:
@@ -270,8 +284,8 @@ class TensorFlowFacts(BackendFacts):
             return int(input_bytes * (_compute_ratio(str(getattr(unit, "compute_dtype", "float32"))) - 1))
         return 0
 
-    def forward_temporaries(self, call, input_sizes, output_sizes, slab) -> int:
-        return forward_temporaries(call, input_sizes, output_sizes, slab)
+    def forward_temporaries(self, call, input_sizes, output_sizes, slab, released: int = 0) -> int:
+        return forward_temporaries(call, input_sizes, output_sizes, slab, released)
 
     def backward_layout_bytes(self, call, input_sizes, output_sizes) -> int:
         return backward_layout_bytes(call, input_sizes, output_sizes)
