@@ -19,18 +19,17 @@ from keras_lms.planning import rules
 from keras_lms.planning.budget_fit import BudgetError, fit_budget
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
-from keras_lms.planning.memory_model import BUDGET_MARGIN, simulate
+from keras_lms.planning.memory_model import BUDGET_MARGIN
 from keras_lms.planning.plan import (
     plan_entries,
     planned_prefetch,
     planned_short_chains,
     planned_slab_bytes,
-    planned_sweeps,
     tensor_bytes,
 )
+from keras_lms.planning.plan_measures import fits_budget, plan_memory, plan_seconds
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.source_offload import offload_sources
-from keras_lms.planning.step_time import predict_step_time
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
 
 def _faster(calls, first, second, config, facts, batch_size: int, how: str) -> list:
     """``first``, or ``second`` where its predicted step is shorter (a tie keeps ``first``), logged as ``how``."""
-    seconds = [_plan_seconds(calls, p, config, facts, batch_size) for p in (first, second)]
+    seconds = [plan_seconds(calls, p, config, facts, batch_size) for p in (first, second)]
     if seconds[1] >= seconds[0]:
         return first
     log.info("keras-lms: planned %s (predicted step %.3f s instead of %.3f s on %s).", how, seconds[1], seconds[0],
@@ -87,28 +86,23 @@ def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_b
                       error: BudgetError) -> list:
     """The plan where the budget planner's starts (``fit_budget``) refused ``device_budget``: wrap's defaults (no
     budget: every eligible tensor offloaded, finished with level sweeps and recomputed tensors), which may fit
-    where those starts, simulated before any sweep, did not: as they are where they fit with the planner's
-    margin, with a warning where they fit only without it; else ``error``.
+    where those starts, simulated before any sweep, did not. Where they fit with the planner's margin, finished
+    for the budget (``_finish_at_the_edge``); where only without it, as they are with a warning; else ``error``.
 
-    Why: at the largest volumes the starts refused a budget that the plan ``wrap`` makes without one runs in: the
-    3D U-Net's default plan at 400^3 float32 is predicted at 15.9 GiB (14.9 with the skip poolings' gradients in
-    the sweeps) and peaks at 15.80 GiB (12.29) in the executed graph on a 16 GiB GPU; at 496^3 mixed_float16 it
-    is predicted at 12.0 GiB while the starts need more than 16. A user who named the GPU's memory got a
-    BudgetError for a volume that trains without the budget.
-    Why the defaults as they are: two faster plans were tried (docs/design.md, "A budget the starts refuse"). The
-    budget's plan finished from the defaults where they fit with the margin (496^3 mixed_float16 on H100-PCIe5,
-    predicted 2.39x the plain step instead of 2.89x) pushed grappler's own estimate of the step to 17.6 GiB, and
-    on a 16 GiB GPU grappler then swapped 28 GiB each way by itself (the defaults: 15.3 GiB, no swaps). The
-    fastest plan predicted as small as the defaults where only they fit without the margin (400^3 float32 and
-    496^3 mixed_float16, 2.69x and 2.48x instead of 3.07x and 3.01x) peaked 5% over its prediction."""
+    Why: at the largest volumes the starts refused a budget that the plan ``wrap`` makes without one runs in (the
+    3D U-Net's default plans at 400^3 float32 and 496^3 mixed_float16 on H100-PCIe5 are predicted at 12.1 and
+    12.0 GiB, their starts at more than 16). A user who named the GPU's memory got a BudgetError for a volume
+    that trains without the budget. Where only the defaults fit without the margin, a plan predicted as small
+    as them but faster peaked 5% over its prediction in the executed graph (docs/design.md, "A budget the starts
+    refuse")."""
     defaults = _finish_plan(calls, decisions, dataclasses.replace(config, device_budget=None), facts, batch_size,
                             static_bytes, update_bytes)
-    memory = _plan_memory(calls, defaults, config, facts, batch_size, static_bytes, update_bytes)
+    memory = plan_memory(calls, defaults, config, facts, batch_size, static_bytes, update_bytes)
     if memory.budget_bytes <= config.device_budget:
-        log.info("keras-lms: device_budget %s: planned as wrap plans without a budget (predicted %s; every eligible "
-                 "tensor offloaded was predicted not to fit before the level sweeps).",
+        log.info("keras-lms: device_budget %s: planned from wrap's plan without a budget (predicted %s; every "
+                 "eligible tensor offloaded was predicted not to fit before the level sweeps).",
                  format_bytes(config.device_budget), format_bytes(memory.peak_bytes))
-        return defaults
+        return _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size, static_bytes, update_bytes)
     if memory.peak_bytes > config.device_budget:
         raise error
     log.warning("keras-lms: device_budget %s is met only without the planner's %d%% margin (predicted %s with every "
@@ -120,6 +114,36 @@ def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_b
             entry.reason += (f"; device_budget {format_bytes(config.device_budget)} is met only without the "
                              f"planner's margin (predicted {format_bytes(memory.peak_bytes)}): wrap's defaults")
     return defaults
+
+
+# Whether a plan at the edge (``_finish_at_the_edge``) is finished for the budget: off, the defaults as they are
+# (the control of tests/offload/tensorflow/test_edge_budget.py).
+FINISH_AT_THE_EDGE = True
+
+
+def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: int, static_bytes: int,
+                        update_bytes: int) -> list:
+    """The defaults' decisions (every eligible tensor offloaded) planned for the budget, where the defaults fit it
+    with the margin: sweep windows, prefetch depth and short chains chosen by the budget, then small inputs
+    offloaded and sweep units held where it has room (``_use_room`` without the keep search); the faster of that
+    and the defaults. Why not the keep search: grappler's own estimate of the step, which decides whether its
+    memory optimizer swaps by itself, peaks at the top of the backward at these volumes, where it counts the
+    level-0 tensors there about twice (the head's input gradient, the last ReLU's output and gradient, and the
+    gradient's layout fence, 4 x 3.8 GiB at 400^3: 15.50 GiB for the defaults against 11.4 live), and every call
+    kept on the device is live there too. Finished with keeps, the 400^3 float32 plan (predicted 2.41x the plain
+    step, executed 15.03 GiB) made grappler estimate 17.79 GiB and swap 35 GiB each way on a 16 GiB GPU (496^3
+    mixed_float16: 17.60, 28 GiB). Held units and thicker windows live later in the backward, and grappler's
+    estimate stays the defaults' (docs/design.md, "A budget the starts refuse")."""
+    if not FINISH_AT_THE_EDGE or config.device_profile is None:
+        return defaults
+    finished = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    finished, _ = _use_room(calls, decisions, finished, config, facts, batch_size, static_bytes, update_bytes,
+                            keep=False)
+    if not fits_budget(calls, finished, config, facts, batch_size, static_bytes, update_bytes,
+                       prefetch=planned_prefetch(finished, config.prefetch)):
+        return defaults
+    return _faster(calls, defaults, finished, config, facts, batch_size,
+                   "for device_budget from wrap's plan without a budget, nothing more kept on the device")
 
 
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
@@ -156,8 +180,8 @@ def _use_room(calls, decisions, entries, config, facts, batch_size: int, static_
                                           update_bytes)
     ahead = planned_prefetch(entries, config.prefetch)  # (the plan's prefetch depth holds copies back longer)
     plan_sweep_windows(calls, entries, config, facts, batch_size,
-                       lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                  update_bytes, prefetch=ahead, swept=swept))
+                       lambda swept: fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                 update_bytes, prefetch=ahead, swept=swept))
     note_swept_host_bytes(entries)  # (a run swept only now copies nothing inside it either)
     return entries, searched
 
@@ -180,15 +204,15 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
         refine_sweeps(calls, entries, config, facts, batch_size)
         if config.device_budget is not None:
             plan_sweep_windows(calls, entries, config, facts, batch_size,
-                               lambda swept: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                          update_bytes, swept=swept), holds=False)
+                               lambda swept: fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                         update_bytes, swept=swept), holds=False)
             _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
             ahead = planned_prefetch(entries, config.prefetch)
             plan_short_chains(calls, entries, facts, batch_size,
-                              lambda short: _plan_seconds(calls, entries, config, facts, batch_size,
-                                                          short_chains=short),
-                              lambda short: _fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                         update_bytes, prefetch=ahead, short_chains=short))
+                              lambda short: plan_seconds(calls, entries, config, facts, batch_size,
+                                                         short_chains=short),
+                              lambda short: fits_budget(calls, entries, config, facts, batch_size, static_bytes,
+                                                        update_bytes, prefetch=ahead, short_chains=short))
     note_swept_host_bytes(entries)
     return entries
 
@@ -199,12 +223,12 @@ def _offload_sources(calls, decisions, entries, config, facts, batch_size: int, 
     def try_plan(trial):
         planned = _plan_decisions(calls, trial, config, facts, batch_size, static_bytes, update_bytes,
                                   recomputed_producers(entries))
-        if _fits_budget(calls, planned, config, facts, batch_size, static_bytes, update_bytes,
-                        prefetch=planned_prefetch(planned, config.prefetch)):  # (else None: it does not fit)
-            return _plan_seconds(calls, planned, config, facts, batch_size), planned
+        if fits_budget(calls, planned, config, facts, batch_size, static_bytes, update_bytes,
+                       prefetch=planned_prefetch(planned, config.prefetch)):  # (else None: it does not fit)
+            return plan_seconds(calls, planned, config, facts, batch_size), planned
 
     decisions, planned, _ = offload_sources(calls, decisions, config, batch_size, try_plan,
-                                            _plan_seconds(calls, entries, config, facts, batch_size))
+                                            plan_seconds(calls, entries, config, facts, batch_size))
     return decisions, planned or entries
 
 
@@ -222,11 +246,11 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
     prefetch = planned_prefetch(entries, config.prefetch)
 
     def seconds(rows):
-        return _plan_seconds(calls, entries, config, facts, batch_size, rows)
+        return plan_seconds(calls, entries, config, facts, batch_size, rows)
 
     def fits(rows):
-        return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
-                            prefetch=prefetch, offloaded=rows)
+        return fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
+                           prefetch=prefetch, offloaded=rows)
 
     copying = {i for i, call in enumerate(calls) if any(offloaded[i]) and facts.backward_reads(call.unit)[0]}
     saved = calls_to_keep(offloaded, seconds, fits, copying)
@@ -237,51 +261,13 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
     # recomputed, and a search that starts from none would find no first step that fits)
     replanned = _plan_decisions(calls, kept, config, facts, batch_size, static_bytes, update_bytes,
                                 recomputed_producers(entries))
-    before, after = seconds(offloaded), _plan_seconds(calls, replanned, config, facts, batch_size)
-    if after >= before or not _fits_budget(calls, replanned, config, facts, batch_size, static_bytes, update_bytes,
-                                           prefetch=planned_prefetch(replanned, config.prefetch)):
+    before, after = seconds(offloaded), plan_seconds(calls, replanned, config, facts, batch_size)
+    if after >= before or not fits_budget(calls, replanned, config, facts, batch_size, static_bytes, update_bytes,
+                                          prefetch=planned_prefetch(replanned, config.prefetch)):
         return decisions, entries, False
     log.info("keras-lms: keeping %d offloaded layer calls on the device where device_budget has room (predicted "
              "step %.3f s instead of %.3f s on %s).", len(saved), after, before, config.device_profile.name)
     return kept, replanned, True
-
-
-def _plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None,
-                  recomputed=None, short_chains=None) -> float:
-    """The predicted step of the plan of ``entries`` on ``config.device_profile``, with the given offload
-    decisions, prefetch depth or recomputed tensors in place of the plan's (the rest of the plan as it is; the
-    time-side twin of ``_fits_budget``)."""
-    rows = [list(e.tensor_offloaded) for e in entries] if offloaded is None else offloaded
-    return predict_step_time(calls, rows, facts, config.device_profile, batch_size,
-                             planned_prefetch(entries, config.prefetch) if prefetch is None else prefetch,
-                             planned_slab_bytes(entries), config.lean_normalization,
-                             recomputed_producers(entries) if recomputed is None else recomputed,
-                             planned_sweeps(entries),
-                             planned_short_chains(entries) if short_chains is None else short_chains).step_seconds
-
-
-def _fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 prefetch=None, recomputed=None, swept=None, offloaded=None, short_chains=None) -> bool:
-    """Whether the plan of ``entries`` fits ``device_budget`` by the memory model with the planner's margin, with
-    the given prefetch depth, recomputed tensors, sweeps (first call -> windows) or offload decisions in place of
-    the plan's (``config.prefetch``, ``PlanEntry.recomputed_output``, ``PlanEntry.sweep``,
-    ``PlanEntry.tensor_offloaded``)."""
-    memory = _plan_memory(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch,
-                          recomputed, swept, offloaded, short_chains)
-    return memory.budget_bytes <= config.device_budget
-
-
-def _plan_memory(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 prefetch=None, recomputed=None, swept=None, offloaded=None, short_chains=None):
-    """The memory model's ``StepMemory`` of the plan of ``entries`` (what ``_fits_budget`` compares)."""
-    if offloaded is None:
-        offloaded = [list(e.tensor_offloaded) for e in entries]
-    return simulate(calls, offloaded, facts, batch_size, config.prefetch if prefetch is None else prefetch,
-                    static_bytes, update_bytes=update_bytes, lean_normalization=config.lean_normalization,
-                    slab_bytes=planned_slab_bytes(entries),
-                    recomputed=recomputed_producers(entries) if recomputed is None else recomputed,
-                    swept=planned_sweeps(entries) if swept is None else swept,
-                    short_chains=planned_short_chains(entries) if short_chains is None else short_chains)
 
 
 # With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
@@ -300,11 +286,11 @@ def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes:
     if config.prefetch < 1 or not any(e.offloaded for e in entries):
         return
     def seconds(prefetch):
-        return _plan_seconds(calls, entries, config, facts, batch_size, prefetch=prefetch)
+        return plan_seconds(calls, entries, config, facts, batch_size, prefetch=prefetch)
 
     best, best_seconds = config.prefetch, seconds(config.prefetch)
     for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
-        if not _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch=prefetch):
+        if not fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch=prefetch):
             break  # deeper holds more: nothing further fits either
         t = seconds(prefetch)
         if t < best_seconds * 0.99:  # at least 1% faster for each step deeper
@@ -331,13 +317,13 @@ def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes
         return
 
     def seconds(recomputed):
-        return _plan_seconds(calls, entries, config, facts, batch_size, recomputed=recomputed)
+        return plan_seconds(calls, entries, config, facts, batch_size, recomputed=recomputed)
 
     fits = None
     if config.device_budget is not None:
         def fits(recomputed):  # a whole recompute holds its source's copy back longer (memory_model)
-            return _fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
-                                recomputed=recomputed)
+            return fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes,
+                               recomputed=recomputed)
 
     chosen = choose_recomputed(candidates, seconds, fits, start)
     if not chosen:

@@ -4,7 +4,8 @@ The starts (every eligible tensor offloaded, simulated before any level sweep) r
 defaults (no budget) run there (their executed peaks: ``benchmarks/simulated_gpu_peak.py --cube-edges 400``,
 docs/benchmarks.md). Now such a budget gets the defaults' plan where it fits, with the planner's margin (on
 H100-PCIe5, where the sweeps take the skip poolings' gradients) or only without it (400^3 float32 without a
-profile, with a warning). Planning only at those sizes."""
+profile, with a warning), finished for the budget where the defaults fit with the margin (``_finish_at_the_edge``).
+Planning only at those sizes."""
 
 import pytest
 
@@ -43,29 +44,36 @@ def test_the_largest_float32_cube_gets_the_defaults_plan(profile, monkeypatch):
         keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile=profile)
 
 
-def test_the_largest_float32_cube_with_a_profile_gets_the_defaults_plan_within_the_margin(monkeypatch):
-    model = unet((400, 400, 400, 1), 16)
+def finished_from_the_defaults(model, monkeypatch):
+    """The 16 GiB plan where the defaults fit with the margin: finished for the budget (faster than the defaults,
+    within the margin, nothing kept on the device that the defaults offload: the keeps raised grappler's own
+    estimate over the GPU's memory at these volumes), and the controls: the defaults as they are without the
+    finish, a BudgetError as before the edge plan."""
     defaults = keras_lms.report(model, batch_size=1, device_profile="h100-pcie5")
     planned = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
-    assert planned.totals["fits_device_budget"] and same_plan(planned, defaults)
-    refuse_as_before(monkeypatch)
-    with pytest.raises(keras_lms.BudgetError):
-        keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
-
-
-def test_the_largest_mixed_precision_cube_gets_the_defaults_plan_within_the_margin(mixed_precision, monkeypatch):
-    """At 496^3 mixed_float16 the skip poolings' gradients in the sweeps put the default plan at 12.0 GiB, within
-    16 GiB with the margin, while the starts (before any sweep) still need more than 16: the defaults' plan, no
-    warning. (Finished further for the budget it was predicted faster, but it made grappler swap 28 GiB each way
-    on a 16 GiB GPU: docs/design.md.)"""
-    model = unet((496, 496, 496, 1), 16)
-    defaults = keras_lms.report(model, batch_size=1, device_profile="h100-pcie5")
-    planned = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
-    assert planned.totals["fits_device_budget"] and same_plan(planned, defaults)
+    assert planned.totals["fits_device_budget"]
+    assert planned.totals["predicted_step_seconds"] < 0.9 * defaults.totals["predicted_step_seconds"]
+    assert all(p["offloaded"] or not d["offloaded"] for p, d in zip(planned.rows, defaults.rows))
     assert not any("met only without" in r["reason"] for r in planned.rows)
+    monkeypatch.setattr(budget, "FINISH_AT_THE_EDGE", False)
+    as_they_are = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
+    assert same_plan(as_they_are, defaults)
     refuse_as_before(monkeypatch)
     with pytest.raises(keras_lms.BudgetError):
         keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
+
+
+def test_the_largest_float32_cube_with_a_profile_gets_a_plan_finished_from_the_defaults(monkeypatch):
+    # predicted 2.53x the plain step instead of 2.96x (docs/benchmarks.md, session 25)
+    finished_from_the_defaults(unet((400, 400, 400, 1), 16), monkeypatch)
+
+
+def test_the_largest_mixed_precision_cube_gets_a_plan_finished_from_the_defaults(mixed_precision, monkeypatch):
+    """At 496^3 mixed_float16 the skip poolings' gradients in the sweeps put the default plan at 12.0 GiB, within
+    16 GiB with the margin, while the starts (before any sweep) still need more than 16: 2.50x the plain step
+    instead of 2.89x. (Finished with the keep search it was predicted at 2.39x, but it made grappler swap 28 GiB
+    each way on a 16 GiB GPU: docs/design.md.)"""
+    finished_from_the_defaults(unet((496, 496, 496, 1), 16), monkeypatch)
 
 
 def test_a_budget_below_what_the_defaults_need_is_still_refused():
