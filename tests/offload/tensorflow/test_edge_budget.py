@@ -64,7 +64,7 @@ def finished_from_the_defaults(model, monkeypatch):
 
 
 def test_the_largest_float32_cube_with_a_profile_gets_a_plan_finished_from_the_defaults(monkeypatch):
-    # predicted 2.53x the plain step instead of 2.96x (docs/benchmarks.md, session 25)
+    # predicted 2.52x the plain step instead of 2.96x (docs/benchmarks.md, session 25)
     finished_from_the_defaults(unet((400, 400, 400, 1), 16), monkeypatch)
 
 
