@@ -127,13 +127,14 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
     with the margin: sweep windows, prefetch depth and short chains chosen by the budget, then small inputs
     offloaded and sweep units held where it has room (``_use_room`` without the keep search); the faster of that
     and the defaults. Why not the keep search: grappler's own estimate of the step, which decides whether its
-    memory optimizer swaps by itself, peaks at the top of the backward at these volumes, where it counts the
-    level-0 tensors there about twice (the head's input gradient, the last ReLU's output and gradient, and the
-    gradient's layout fence, 4 x 3.8 GiB at 400^3: 15.50 GiB for the defaults against 11.4 live), and every call
-    kept on the device is live there too. Finished with keeps, the 400^3 float32 plan (predicted 2.41x the plain
-    step, executed 15.03 GiB) made grappler estimate 17.79 GiB and swap 35 GiB each way on a 16 GiB GPU (496^3
-    mixed_float16: 17.60, 28 GiB). Held units and thicker windows live later in the backward, and grappler's
-    estimate stays the defaults' (docs/design.md, "A budget the starts refuse")."""
+    memory optimizer swaps by itself, peaks at the top of the backward at these volumes, where it counts four
+    level-0 tensors at once (the last ReLU's output and gradient, the head's input gradient, and that gradient's
+    slab pieces or the ReLU gradient's layout fence: 4 x 3.8 GiB at 400^3, 15.50 GiB for the defaults where the
+    executed timeline holds about 11.4), and every call kept on the device is live there too. Finished with
+    keeps, the 400^3 float32 plan (predicted 2.41x the plain step, executed 15.03 GiB) made grappler estimate
+    17.79 GiB and swap 35 GiB each way on a 16 GiB GPU (496^3 mixed_float16: 17.60, 28 GiB). Held units and
+    thicker windows live later in the backward, and grappler's estimate stays the defaults' (docs/design.md, "A
+    budget the starts refuse")."""
     if not FINISH_AT_THE_EDGE or config.device_profile is None:
         return defaults
     finished = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
