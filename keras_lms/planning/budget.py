@@ -137,6 +137,7 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
     budget the starts refuse")."""
     if not FINISH_AT_THE_EDGE or config.device_profile is None:
         return defaults
+    decisions = keep_unread_activation_outputs(calls, decisions, facts)  # (the defaults' own, ``_finish_plan``)
     finished = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     finished, _ = _use_room(calls, decisions, finished, config, facts, batch_size, static_bytes, update_bytes,
                             keep=False)
