@@ -137,10 +137,7 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
     budget the starts refuse")."""
     if not FINISH_AT_THE_EDGE or config.device_profile is None:
         return defaults
-    decisions = keep_unread_activation_outputs(calls, decisions, facts)  # (the defaults' own, ``_finish_plan``)
-    finished = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
-    finished, _ = _use_room(calls, decisions, finished, config, facts, batch_size, static_bytes, update_bytes,
-                            keep=False)
+    finished = _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, keep=False)
     if not fits_budget(calls, finished, config, facts, batch_size, static_bytes, update_bytes,
                        prefetch=planned_prefetch(finished, config.prefetch)):
         return defaults
@@ -148,17 +145,19 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
                    "for device_budget from wrap's plan without a budget, nothing more kept on the device")
 
 
-def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
+def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
+                 keep: bool = True) -> list:
     """The plan's entries from the offload decisions: slabs, sweeps, recomputed tensors, prefetch and, with a
     budget and a profile, the budget's leftover room used (``_use_room``) with the keep search and without it, the
-    faster kept. Why both: the searches are greedy, and calls kept first take room that held sweep units use
-    better (448^3 mixed_float16 at 20 GiB: 0.438 s with the keep search, 0.418 s without)."""
+    faster kept (``keep=False``: without it only, ``_finish_at_the_edge``). Why both: the searches are greedy, and
+    calls kept first take room that held sweep units use better (448^3 mixed_float16 at 20 GiB: 0.438 s with the
+    keep search, 0.418 s without)."""
     decisions = keep_unread_activation_outputs(calls, decisions, facts)
     entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     if config.device_profile is None or config.device_budget is None:
         return entries
     settings = (config, facts, batch_size, static_bytes, update_bytes)
-    kept, searched = _use_room(calls, decisions, entries, *settings, keep=True)
+    kept, searched = _use_room(calls, decisions, entries, *settings, keep=keep)
     if not searched:
         return kept
     unkept, _ = _use_room(calls, decisions, entries, *settings, keep=False)  # (the keep search re-planned a copy)
