@@ -119,6 +119,9 @@ def _plan_at_the_edge(calls, decisions, config, facts, batch_size: int, static_b
 # Whether a plan at the edge (``_finish_at_the_edge``) is finished for the budget: off, the defaults as they are
 # (the control of tests/offload/tensorflow/test_edge_budget.py).
 FINISH_AT_THE_EDGE = True
+# Whether that finish also sweeps runs the defaults did not (``sweep_plan.plan_sweep_windows(unswept=True)``); off:
+# the control of tests/offload/tensorflow/test_edge_budget.py.
+SWEEP_UNSWEPT_AT_THE_EDGE = True
 
 
 def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: int, static_bytes: int,
@@ -134,10 +137,16 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
     keeps, the 400^3 float32 plan (predicted 2.41x the plain step, executed 15.03 GiB) made grappler estimate
     17.79 GiB and swap 35 GiB each way on a 16 GiB GPU (496^3 mixed_float16: 17.60, 28 GiB). Held units and
     thicker windows live later in the backward, and grappler's estimate stays the defaults' (docs/design.md, "A
-    budget the starts refuse")."""
+    budget the starts refuse"). Runs the defaults do not sweep are offered too (``SWEEP_UNSWEPT_AT_THE_EDGE``):
+    the level-0 decoder, whose default windows are slower than recomputing its tensors per reader but whose
+    thicker ones are faster (400^3 float32: 2.52x -> 2.40x the plain step; grappler's estimate 15.50 -> 15.32
+    GiB, no swaps on a 16 GiB GPU). Not where the keep search runs: there grappler's estimate exceeds the GPU
+    and it swapped that sweep's output gradient once per window (docs/design.md, "Held convolution outputs in
+    sweeps")."""
     if not FINISH_AT_THE_EDGE or config.device_profile is None:
         return defaults
-    finished = _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, keep=False)
+    finished = _finish_plan(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, keep=False,
+                            unswept=SWEEP_UNSWEPT_AT_THE_EDGE)
     if not fits_budget(calls, finished, config, facts, batch_size, static_bytes, update_bytes,
                        prefetch=planned_prefetch(finished, config.prefetch)):
         return defaults
@@ -146,7 +155,7 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
 
 
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 keep: bool = True) -> list:
+                 keep: bool = True, unswept: bool = False) -> list:
     """The plan's entries from the offload decisions: slabs, sweeps, recomputed tensors, prefetch and, with a
     budget and a profile, the budget's leftover room used (``_use_room``) with the keep search and without it, the
     faster kept (``keep=False``: without it only, ``_finish_at_the_edge``). Why both: the searches are greedy, and
@@ -157,15 +166,16 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     if config.device_profile is None or config.device_budget is None:
         return entries
     settings = (config, facts, batch_size, static_bytes, update_bytes)
-    kept, searched = _use_room(calls, decisions, entries, *settings, keep=keep)
+    kept, searched = _use_room(calls, decisions, entries, *settings, keep=keep, unswept=unswept)
     if not searched:
         return kept
-    unkept, _ = _use_room(calls, decisions, entries, *settings, keep=False)  # (the keep search re-planned a copy)
+    # (the keep search re-planned a copy)
+    unkept, _ = _use_room(calls, decisions, entries, *settings, keep=False, unswept=unswept)
     return _faster(calls, kept, unkept, config, facts, batch_size, "without keeping offloaded calls on the device")
 
 
 def _use_room(calls, decisions, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-              keep: bool) -> tuple:
+              keep: bool, unswept: bool = False) -> tuple:
     """``(entries, whether the keep search kept a call)``: the budget's leftover room used by, in turn, the calls
     kept where it has room (``_keep_where_room``, with ``keep``), small inputs offloaded (``_offload_sources``)
     and the sweep units held on the device (``sweep_plan.plan_sweep_windows``, last: earlier they took room that
@@ -182,7 +192,7 @@ def _use_room(calls, decisions, entries, config, facts, batch_size: int, static_
     ahead = planned_prefetch(entries, config.prefetch)  # (the plan's prefetch depth holds copies back longer)
     plan_sweep_windows(calls, entries, config, facts, batch_size,
                        lambda swept: fits_budget(calls, entries, config, facts, batch_size, static_bytes,
-                                                 update_bytes, prefetch=ahead, swept=swept))
+                                                 update_bytes, prefetch=ahead, swept=swept), unswept=unswept)
     note_swept_host_bytes(entries)  # (a run swept only now copies nothing inside it either)
     return entries, searched
 

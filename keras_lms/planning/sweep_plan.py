@@ -59,21 +59,24 @@ def refine_sweeps(calls, entries, config, facts, batch_size: int) -> None:
         _mark_sweeps(calls, entries, candidates, chosen, config)
 
 
-def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, holds: bool = True) -> None:
+def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, holds: bool = True,
+                       unswept: bool = False) -> None:
     """Thicker windows and held units where the device budget has room: for each planned sweep in turn, its other
     window counts (``Sweep.window_options``: as thick as its units' slabs) and its sets of held units
     (``Sweep.hold_options``: convolution outputs kept on the device between the passes), kept where the plan
     still ``fits(swept)`` (the memory model with the budget margin) and the predicted step is shorter. Why: a
     pass holds every unit's window at once, so the default windows are half a slab thick, which recomputes twice
     the halo rows (at 384^3 float32 with a 16 GiB budget 15% of the predicted step, docs/design.md, "Level
-    sweeps"); and without held units each pass B convolves again what pass A convolved."""
+    sweeps"); and without held units each pass B convolves again what pass A convolved. ``unswept``: also the
+    runs the plan does not sweep (their windows may be faster only thicker than their default), where grappler's
+    own estimate is known not to move with them (``budget._finish_at_the_edge``)."""
     chosen = planned_sweeps(entries)
-    if not chosen:
+    if not chosen and not unswept:
         return
     candidates, seconds = _search(calls, entries, config, facts, batch_size, recomputed_producers(entries))
     best = seconds(chosen)
     for sweep in candidates:
-        if sweep.first not in chosen:
+        if sweep.first not in chosen and not unswept:
             # (not a run the plan did not sweep, held or not: at 384^3 float32 with 16 GiB a held sweep of the
             # level-0 decoder was predicted faster, but its whole output gradient, sliced by every window of
             # pass B, became grappler's swap candidate on a 16 GiB GPU: 54-58 swaps, 24 GiB each way, 16.8-19.1
@@ -82,7 +85,7 @@ def plan_sweep_windows(calls, entries, config, facts, batch_size: int, fits, hol
         for windows in sweep.window_options:
             for held in ((),) + (tuple(sweep.hold_options) if holds else ()):
                 setting = sweep_value(windows, held)
-                if setting == chosen[sweep.first]:
+                if setting == chosen.get(sweep.first):
                     continue
                 trial = {**chosen, sweep.first: setting}
                 if fits(trial):

@@ -169,19 +169,19 @@ def test_which_calls_run_in_place():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ResNet50", "Xception"])
-def test_applications_match_plain_with_calls_in_place(name, spy):
-    """Real architectures (tests/models.py's keras.applications zoo, ``weights=None``) wrapped with 64 KiB slabs,
-    so that their BatchNorms and activations run in place: the step matches plain within the zoo's JAX tolerance
-    (tests/test_applications.py; measured 3.9e-5 and 2.5e-6, with 9 and 75 calls in place; the rest of the zoo
-    in docs/jax_findings.md, session 21)."""
+def test_an_application_matches_plain_with_calls_in_place(spy):
+    """A real architecture (tests/models.py's keras.applications zoo, ``weights=None``) wrapped with 64 KiB slabs,
+    so that its BatchNorms and activations run in place: the step matches plain within the zoo's JAX tolerance
+    (tests/test_applications.py). Xception: 75 calls in place, among them the residual blocks' (a tensor that two
+    calls read), measured 2.5e-6; ResNet50 (9 calls in place, 3.9e-5) and the rest of the zoo in
+    docs/jax_findings.md, session 21 (ResNet50 left CI in session 26: 43 s for a subset of what Xception runs)."""
     from tests import models
     from tests.test_applications import JAX_TOLERANCE
 
-    build, size, dtype, _ = models.APPLICATIONS[name]
+    build, size, dtype, _ = models.APPLICATIONS["Xception"]
     keras.utils.set_random_seed(0)
     model = build()
     x = np.random.default_rng(0).random((2, size, size, 3)).astype(dtype)
     assert_matches(model, keras_lms.wrap(model, min_bytes=0, keep_last=1, slab_bytes="64KiB"), x,
                    tol=JAX_TOLERANCE[dtype])
-    assert len(spy["forward"]) >= 9, spy["forward"]
+    assert len(spy["forward"]) >= 70, len(spy["forward"])
