@@ -71,9 +71,10 @@ def test_slab_windows_come_back_more_than_once_and_the_old_count_misses_it(rows)
 def test_fused_chains_move_a_quarter_less_in_the_executed_graph(rows):
     """slab_chains: the same models with fused BatchNorm -> ReLU -> convolution chains and without, side by side
     (measured -26%/-26%): a fused activation's output is never copied, its windows come back only once, and
-    BatchNorm's first backward pass reads no windows of its own."""
+    BatchNorm's first backward pass reads no windows of its own. (The 2D U-Net's control, -26% too, left CI in
+    session 26.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
+    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
         fused, unfused = by_case[f"{model}, fused chains"], by_case[f"{model}, unfused"]
         assert fused["fused_chains"] >= 4 and unfused["fused_chains"] == 0
         total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
@@ -86,9 +87,10 @@ def test_exact_row_convolutions_convolve_no_halo_in_the_executed_graph(rows):
     (the input gradient its window's: 2h extra rows instead of 4h for each gradient and 2h forward) and its
     backward reads the forward's window, not one twice as wide. Counted in the convolution ops grappler left on
     the virtual GPU, beside the control that convolves every window whole and crops (EXACT_ROWS off). Measured:
-    extra convolution FLOPs -80% (3D and 2D), copies back -12.6% (3D) / -7.7% (2D), copies out the same."""
+    extra convolution FLOPs -80% (3D and 2D), copies back -12.6% (3D) / -7.7% (2D), copies out the same. (The 2D
+    control left CI in session 26.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
+    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
         exact, control = by_case[f"{model}, fused chains"], by_case[f"{model}, fused chains, halo rows convolved"]
         assert exact["exact_rows"] and not control["exact_rows"] and exact["slabs"] == control["slabs"] >= 4
         assert control["measured_recompute_flops"] > 0.1 * control["plain_conv_flops"], control
@@ -102,9 +104,10 @@ def test_level_sweeps_move_less_in_the_executed_graph(rows):
     each level's input), beside the same plans with no sweep offered. Measured (windows half a slab thick,
     sweeps.WINDOW_DIVISOR): 3D 12 of its 18 candidate calls swept, -2.7% of the bytes over the link for +5% of
     recomputed convolution FLOPs; 2D all 18, -5.9% for +3%. (With full-thickness windows all were swept in both:
-    -15% / -11%.) The report is within 10% of both, bytes and FLOPs (the tests above)."""
+    -15% / -11%.) The report is within 10% of both, bytes and FLOPs (the tests above). (The 2D control left CI in
+    session 26; the 2D swept plan is still checked against the executed graph above.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB", "2D U-Net 2x64x64, slabs of 32 KiB"):
+    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
         swept = by_case[f"{model}, recomputed (h100-pcie5)"]
         control = by_case[f"{model}, recomputed (h100-pcie5), no sweeps"]
         assert swept["swept"] >= 12 and control["swept"] == 0, (swept, control)
