@@ -52,8 +52,8 @@ def cases() -> list:
     "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps; "swept" and
     "swept, held" sweep every run, the second holding its convolution outputs between the passes; "pooling not
     folded" differentiates the skip's max pooling itself (sweeps.FOLD_POOLING), the control of the fold. (The 2D
-    U-Net's controls, unfused, halo rows convolved and no sweeps, left in session 26 for CI's time: they agreed
-    with the 3D ones, docs/benchmarks.md.)"""
+    U-Net's whole case and its controls, unfused, halo rows convolved and no sweeps, left in session 26 for CI's
+    time: they agreed with the 3D ones, docs/benchmarks.md.)"""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
     unet2d = lambda: unet((64, 64, 1), 8, levels=2)  # noqa: E731
     slabs3d, slabs2d = {**FORCED, "slab_bytes": 64 << 10}, {**FORCED, "slab_bytes": 32 << 10}
@@ -61,8 +61,7 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, unfused", unet3d, 1, slabs3d, False),
             ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains", unet3d, 1, slabs3d, True),
             ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains, halo rows convolved", unet3d, 1, slabs3d, True, False),
-            ("2D U-Net 2x64x64 (2 levels, 8 filters), whole", unet2d, 2, FORCED, True),
-            ("2D U-Net 2x64x64, slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True),
+            ("2D U-Net 2x64x64 (2 levels, 8 filters), slabs of 32 KiB, fused chains", unet2d, 2, slabs2d, True),
             # the time-aware plan on a PCIe profile: level-0 tensors recomputed in windows (planning.recompute)
             ("3D U-Net 1x32^3, slabs of 64 KiB, recomputed (h100-pcie5)", unet3d, 1,
              {**slabs3d, "device_profile": "h100-pcie5"}, True),
