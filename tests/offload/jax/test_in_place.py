@@ -172,9 +172,9 @@ def test_which_calls_run_in_place():
 def test_an_application_matches_plain_with_calls_in_place(spy):
     """A real architecture (tests/models.py's keras.applications zoo, ``weights=None``) wrapped with 64 KiB slabs,
     so that its BatchNorms and activations run in place: the step matches plain within the zoo's JAX tolerance
-    (tests/test_applications.py). Xception: 75 calls in place, among them the residual blocks' (a tensor that two
-    calls read), measured 2.5e-6; ResNet50 (9 calls in place, 3.9e-5) and the rest of the zoo in
-    docs/jax_findings.md, session 21 (ResNet50 left CI in session 26: 43 s for a subset of what Xception runs)."""
+    (tests/test_applications.py). Xception: 75 calls in place, measured 2.5e-6; ResNet50 (9 calls in place,
+    3.9e-5) and the rest of the zoo in docs/jax_findings.md, session 21 (ResNet50 left CI in session 26, 43-87 s;
+    it stays in the JAX zoo oracle without in-place slabs)."""
     from tests import models
     from tests.test_applications import JAX_TOLERANCE
 

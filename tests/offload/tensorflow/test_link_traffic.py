@@ -74,12 +74,12 @@ def test_fused_chains_move_a_quarter_less_in_the_executed_graph(rows):
     BatchNorm's first backward pass reads no windows of its own. (The 2D U-Net's control, -26% too, left CI in
     session 26.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
-        fused, unfused = by_case[f"{model}, fused chains"], by_case[f"{model}, unfused"]
-        assert fused["fused_chains"] >= 4 and unfused["fused_chains"] == 0
-        total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
-        assert total(fused) < 0.8 * total(unfused), (fused, unfused)
-        assert fused["measured_out"] < unfused["measured_out"] and fused["measured_in"] < unfused["measured_in"]
+    model = "3D U-Net 1x32^3, slabs of 64 KiB"
+    fused, unfused = by_case[f"{model}, fused chains"], by_case[f"{model}, unfused"]
+    assert fused["fused_chains"] >= 4 and unfused["fused_chains"] == 0
+    total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
+    assert total(fused) < 0.8 * total(unfused), (fused, unfused)
+    assert fused["measured_out"] < unfused["measured_out"] and fused["measured_in"] < unfused["measured_in"]
 
 
 def test_exact_row_convolutions_convolve_no_halo_in_the_executed_graph(rows):
@@ -90,13 +90,13 @@ def test_exact_row_convolutions_convolve_no_halo_in_the_executed_graph(rows):
     extra convolution FLOPs -80% (3D and 2D), copies back -12.6% (3D) / -7.7% (2D), copies out the same. (The 2D
     control left CI in session 26.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
-        exact, control = by_case[f"{model}, fused chains"], by_case[f"{model}, fused chains, halo rows convolved"]
-        assert exact["exact_rows"] and not control["exact_rows"] and exact["slabs"] == control["slabs"] >= 4
-        assert control["measured_recompute_flops"] > 0.1 * control["plain_conv_flops"], control
-        assert 0 < exact["measured_recompute_flops"] < 0.3 * control["measured_recompute_flops"], (exact, control)
-        assert exact["measured_out"] == control["measured_out"]  # the same copies go out
-        assert exact["measured_in"] < 0.95 * control["measured_in"], (exact, control)  # narrower windows back
+    model = "3D U-Net 1x32^3, slabs of 64 KiB"
+    exact, control = by_case[f"{model}, fused chains"], by_case[f"{model}, fused chains, halo rows convolved"]
+    assert exact["exact_rows"] and not control["exact_rows"] and exact["slabs"] == control["slabs"] >= 4
+    assert control["measured_recompute_flops"] > 0.1 * control["plain_conv_flops"], control
+    assert 0 < exact["measured_recompute_flops"] < 0.3 * control["measured_recompute_flops"], (exact, control)
+    assert exact["measured_out"] == control["measured_out"]  # the same copies go out
+    assert exact["measured_in"] < 0.95 * control["measured_in"], (exact, control)  # narrower windows back
 
 
 def test_level_sweeps_move_less_in_the_executed_graph(rows):
@@ -107,13 +107,13 @@ def test_level_sweeps_move_less_in_the_executed_graph(rows):
     -15% / -11%.) The report is within 10% of both, bytes and FLOPs (the tests above). (The 2D control left CI in
     session 26; the 2D swept plan is still checked against the executed graph above.)"""
     by_case = {r["case"]: r for r in rows}
-    for model in ("3D U-Net 1x32^3, slabs of 64 KiB",):
-        swept = by_case[f"{model}, recomputed (h100-pcie5)"]
-        control = by_case[f"{model}, recomputed (h100-pcie5), no sweeps"]
-        assert swept["swept"] >= 12 and control["swept"] == 0, (swept, control)
-        assert swept["measured_out"] <= control["measured_out"], (swept, control)
-        total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
-        assert total(swept) < 0.98 * total(control), (swept, control)
+    model = "3D U-Net 1x32^3, slabs of 64 KiB"
+    swept = by_case[f"{model}, recomputed (h100-pcie5)"]
+    control = by_case[f"{model}, recomputed (h100-pcie5), no sweeps"]
+    assert swept["swept"] >= 12 and control["swept"] == 0, (swept, control)
+    assert swept["measured_out"] <= control["measured_out"], (swept, control)
+    total = lambda r: r["measured_out"] + r["measured_in"]  # noqa: E731
+    assert total(swept) < 0.98 * total(control), (swept, control)
 
 
 def test_held_units_convolve_once_in_the_executed_graph(rows):
