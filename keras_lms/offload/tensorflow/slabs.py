@@ -115,6 +115,29 @@ def halo_padded(x, plan: SlabPlan, s0: int, s1: int, a: int, b: int):
     return pad_rows(x, a - (s0 - plan.halo), s1 + plan.halo - b)
 
 
+def rows_of_pieces(pieces, bounds, a, b):
+    """Rows [a, b) of a tensor held as pieces (``pieces[k]`` its rows ``bounds[k]``), cut from the pieces they fall
+    in and concatenated where they span two. Why: the tensor is never whole, and each piece is freed once the last
+    window that reads it is cut (a level sweep's gradients and held outputs, ``sweep_calls``)."""
+    cuts = [rows(piece, max(a, s0) - s0, min(b, s1) - s0)
+            for piece, (s0, s1) in zip(pieces, bounds) if s0 < b and a < s1]
+    return cuts[0] if len(cuts) == 1 else tf.concat(cuts, AXIS)
+
+
+def gradient_token(pieces):
+    """A one-element stand-in for a gradient handed on in ``pieces`` (its reader's backward cuts them with
+    ``rows_of_pieces``): the value TensorFlow passes along the gradient edge, so that the reader's backward runs
+    (the tape skips an op with no gradient) and its arrival marker fires when the last piece exists, while the
+    gradient itself is never concatenated whole. An element of the last piece, not a constant: grappler folds
+    constants and drops their control inputs."""
+    last = pieces[-1]
+    rank = len(last.shape)
+    with tf.control_dependencies(None):
+        begin = tf.constant([0] * rank, tf.int32)
+        end = tf.constant([1] * rank, tf.int32)
+    return tf.reshape(tf.strided_slice(last, begin, end), [])
+
+
 def gated(deps):
     """``tf.control_dependencies`` on the tensors in ``deps`` (nested lists allowed) that exist."""
     return tf.control_dependencies([d for d in tf.nest.flatten(deps) if d is not None])

@@ -52,6 +52,11 @@ SLAB_WORKING_WINDOWS = 2
 # mixed_float16 with 16 GiB (windows 1/6 of a level-0 tensor): seven float32 and four float16 window-sized
 # temporaries at the step's peak, where SLAB_WORKING_WINDOWS counts two (the report was 12% under).
 SWEEP_INNER_WORKING_WINDOWS = 4
+# More windows that a sweep's pass A and its passes B_j (j > 1) hold beside whole held outputs and gradients in
+# pieces (``sweeps.GRADIENTS_IN_PIECES``): the windows convolved with their halo rows and cropped into held pieces,
+# the pieces read across a window's edge, the window cuts in flight. Measured in the executed graph at 400^3
+# float32 with both units of both level-0 sweeps held: 4 to 5 windows over the model's pass A and B_2.
+SWEEP_HELD_WORKING_WINDOWS = 4
 
 
 def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
@@ -164,7 +169,7 @@ def transposed_convolution_temporaries(unit, input_bytes: int, output_bytes: int
     return max(input_bytes, copies * output_bytes - released)
 
 
-def slab_backward_bytes(call, sizes_in, sizes_out, plan) -> int:
+def slab_backward_bytes(call, sizes_in, sizes_out, plan, in_pieces: bool = False) -> int:
     """Bytes a slab-computed call's backward holds: the output gradient, the input gradient being assembled
     (pieces, then their concatenation, one part at a time) and the slab working set. ``sizes_in`` are the input
     gradients assembled: for a reader of a concatenation's parts, the parts, concatenated one at a time once the
@@ -172,6 +177,8 @@ def slab_backward_bytes(call, sizes_in, sizes_out, plan) -> int:
     report's peak at 448^3 mixed_float16 on GH200 was 13.92 GiB against 11.41 in the executed graph."""
     window = sum(sizes_in) / plan.count
     working = SLAB_WORKING_WINDOWS * window * _compute_ratio(call.dtypes[0])
+    if in_pieces:  # a sweep's pass whose gradients are window pieces: one freed as the other is made
+        return int(max(sum(sizes_in), sum(sizes_out)) + working)
     return int(sum(sizes_in) + max(sum(sizes_out), max(sizes_in, default=0)) + working)
 
 
@@ -184,32 +191,56 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     gradient a pass handed them (a convolution its input gradient, an inner activation ``G_j``). A held unit's
     convolution output (``Sweep.held``) is on the device from pass A to pass B_j: charged to every call of the run
     whose backward runs in between (a run's calls are consecutive: a U-Net level's block). A folded pooling
-    (``Sweep.folded``) holds its output gradient until pass A, which recomputes the pooling on one more window."""
+    (``Sweep.folded``) holds its output gradient until pass A, which recomputes the pooling on one more window.
+    With ``sweeps.GRADIENTS_IN_PIECES`` the gradients between passes stay window pieces, each freed once read: a
+    pass B_j (j > 1) holds the larger of ``G_j``'s and ``G_{j-1}``'s pieces, not ``G_j`` whole beside
+    ``G_{j-1}`` assembled; pass A cuts its upstream gradient into windows at once (both live at its start, the
+    gradient freed before the pieces of ``G_m`` and the held outputs grow); a held output is read by its pass B
+    as it is freed (docs/design.md, "Gradients in pieces")."""
     units = sweep.units
     plan = slabs[units[0][1]]
     windows = dataclasses.replace(plan, bounds=sweep.bounds(plan.length))
     first = units[0][0]
     parts = concatenation_parts(calls, 1).get(calls[first].keys[0]) if len(calls[first].keys) == 1 else None
-    held = {}
+    held, working = {}, {}  # working: a pass's windows and temporaries, beside the whole tensors it holds
+    pieces = sweeps.GRADIENTS_IN_PIECES
     for j, (conv, bn, act) in enumerate(units, 1):
         held[conv] = sum(sizes_in[conv])
         # the run's input gradient is assembled one part of a concatenation at a time (never concatenated)
         assembled = sizes_in[parts[0]] if j == 1 and parts is not None else sizes_in[conv]
-        held[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows)
+        held[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows, in_pieces=j > 1 and pieces)
+        working[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows, in_pieces=True) - max(
+            sum(assembled), sum(sizes_out[conv]))  # (the slab working set alone)
         if j > 1:  # the pass also takes BatchNorm j-1's first pass on its windows: a second BatchNorm's temporaries
             window = sum(sizes_in[bn]) / max(1, sweep.windows)
-            held[bn] += int(SWEEP_INNER_WORKING_WINDOWS * window * _compute_ratio(calls[bn].dtypes[0]))
+            inner = int(SWEEP_INNER_WORKING_WINDOWS * window * _compute_ratio(calls[bn].dtypes[0]))
+            held[bn] += inner
+            working[bn] += inner
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
-    held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows)
+    held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows,
+                                     in_pieces=sweeps.GRADIENTS_IN_PIECES)
     if sweep.folded is not None:
         held[sweep.folded] = sum(sizes_out[sweep.folded])
         held[last] += int(sum(sizes_in[sweep.folded]) / max(1, sweep.windows))
     for j in sweep.held:
         conv, bn, _ = units[j - 1]
         for i in sweep.calls:
-            if bn <= i <= last:
+            if bn < i <= last or (i == bn and not pieces):
                 held[i] += sum(sizes_out[conv])
+    if pieces:
+        if sweep.held:
+            window = int(SWEEP_HELD_WORKING_WINDOWS * sum(sizes_out[units[-1][0]]) / max(1, sweep.windows))
+            for i in [last] + [bn for _, bn, _ in units[1:]]:
+                held[i] += window
+                working[i] = working.get(i, 0) + window
+        # pass A cuts every window of its upstream gradient at once (the gradient and its windows, before any piece)
+        held[last] = max(held[last], 2 * sum(sizes_out[last]))
+        # pass B_j frees its held output's pieces as it reads them, while its own gradient pieces are made:
+        for j in sweep.held:  # the held output is live at the pass's start (beside G_j), not with what it makes
+            conv, bn, _ = units[j - 1]
+            below = sum(sum(sizes_out[units[k - 1][0]]) for k in sweep.held if k < j)  # held through pass B_j
+            held[bn] = max(held[bn], sum(sizes_out[bn]) + sum(sizes_out[conv]) + below + working[bn])
     return held
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
-from keras_lms.offload.tensorflow import output_gradients, slabs
+from keras_lms.offload.tensorflow import output_gradients, slabs, sweeps
 from keras_lms.offload.tensorflow.devices import on_device
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments
 from keras_lms.offload.tensorflow.sweeps import sweep_bounds
@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 class SweepRun:
     """One step's sweep: the records of its units ``[(conv, bn, act), ...]`` and what each pass hands on.
 
-    ``gradients[j]``: BatchNorm j's output gradient, whole (``G_j``); ``first_pass[j]``: its first-pass totals
+    ``gradients[j]``: BatchNorm j's output gradient (``G_j``) as ``(pieces, their rows)``, one piece per window
+    (``sweeps.GRADIENTS_IN_PIECES``; else one whole piece), and ``tokens[j]`` what TensorFlow passes along the
+    gradient edges for it (``slabs.gradient_token``; else the whole tensor); ``first_pass[j]``: its first-pass totals
     (``TotalMoments``); ``normalization_weights[j]``: its scale and offset gradients; ``convolution[j]``: the
     convolution's (input gradients, weight gradients). Units are numbered from 1, in forward order.
     ``held``: the units whose convolution output pass A keeps, one piece per window in ``outputs[j]``, for the
@@ -38,6 +40,7 @@ class SweepRun:
     held: frozenset = frozenset()
     outputs: dict = dataclasses.field(default_factory=dict)
     gradients: dict = dataclasses.field(default_factory=dict)
+    tokens: dict = dataclasses.field(default_factory=dict)
     first_pass: dict = dataclasses.field(default_factory=dict)
     normalization_weights: dict = dataclasses.field(default_factory=dict)
     convolution: dict = dataclasses.field(default_factory=dict)
@@ -107,7 +110,7 @@ class SweepCalls:
             if j == run.size:
                 with tf.name_scope(f"lms_sweep_{record.unit.name}"):  # names the pass in the executed graph
                     return [self._sweep_first_pass(run, dy, trigger, record)]
-            return [run.gradients[j]]
+            return [run.tokens[j]]
         if role == "bn":
             with tf.name_scope(f"lms_sweep_{record.unit.name}"):
                 self._sweep_second_pass(run, j, dy, trigger, record)
@@ -122,11 +125,21 @@ class SweepCalls:
         direct = output_gradients.input_gradient_from_output(act.unit)
         run.outputs = {j: [] for j in run.held}
         pieces, parts, finished = [], [], [None, None]
-        for s0, s1 in run.bounds:
+        if sweeps.GRADIENTS_IN_PIECES:
+            # every window of dy cut at once, so that dy is freed before any piece is made (gated on the pass,
+            # not whole beside them all to its end: held outputs, G_m); at the prefetch trigger, not as soon as dy
+            # exists: a U-Net skip's gradient exists from the decoder's pass on, and its windows, cut there, met
+            # the decoder's peak (16.75 GiB executed at 400^3 float32, where the plan was predicted at 13.0)
+            with on_device(reader.compute_device), slabs.gated([trigger]):
+                dy_windows = [slabs.rows(dy, s0, s1) for s0, s1 in run.bounds]
+        for k, (s0, s1) in enumerate(run.bounds):
             c, r = self._sweep_rows(run, m, s0, s1, finished[0], trigger, reader, window=(s0, s1))
             with on_device(reader.compute_device):
-                with slabs.gated([finished[1]]):
-                    dy_rows = slabs.rows(dy, s0, s1)
+                if sweeps.GRADIENTS_IN_PIECES:
+                    dy_rows = dy_windows[k]
+                else:
+                    with slabs.gated([finished[1]]):
+                        dy_rows = slabs.rows(dy, s0, s1)
                 if run.folded is not None and run.folded in self.records:  # (else TensorFlow differentiated it)
                     dy_rows = dy_rows + self._folded_pooling_rows(run, r, s0, s1)
                 g = direct(r, dy_rows)
@@ -134,9 +147,9 @@ class SweepCalls:
             pieces.append(slabs.layout_fence(g))
             parts.append(first)
             finished = [finished[1], [g] + [t for t in first if t is not None]]
-        run.gradients[m] = tf.concat(pieces, slabs.AXIS)
+        self._hand_on_gradient(run, m, pieces)
         self._hand_first_pass(run, m, parts)
-        return run.gradients[m]
+        return run.tokens[m]
 
     def _folded_pooling_rows(self, run, r, s0, s1):
         """Rows [s0, s1) of the folded pooling's input gradient: the pooling recomputed on pass A's activation rows
@@ -150,6 +163,21 @@ class SweepCalls:
             tape.watch(r)
             y = tf.nest.flatten(self._slab_call(pooling, [r], pooling.trainable)[0])[0]
         return tape.gradient(y, r, output_gradients=slabs.rows(dy, s0 // run.align, s1 // run.align))
+
+    @staticmethod
+    def _hand_on_gradient(run, j, pieces) -> None:
+        """Keep ``G_j`` for pass B_j: its window pieces as they are (``sweeps.GRADIENTS_IN_PIECES``), with a token on
+        the gradient edges; else concatenated. Why pieces: pass B_j reads ``G_j`` window by window, and each piece
+        is freed once read, while the next gradient's pieces are made; concatenated, ``G_j`` was whole beside its
+        pieces at the end of the pass before and whole beside the next gradient's pieces through pass B_j (at
+        400^3 float32, 3.8 GiB each: the level-0 decoder could not hold both units, docs/design.md)."""
+        if sweeps.GRADIENTS_IN_PIECES:
+            run.gradients[j] = (pieces, run.bounds)
+            run.tokens[j] = slabs.gradient_token(pieces)
+        else:
+            whole = tf.concat(pieces, slabs.AXIS)
+            run.gradients[j] = ([whole], ((0, run.length),))
+            run.tokens[j] = whole
 
     def _sweep_second_pass(self, run, j, G, trigger, reader):
         """Pass B_j: BatchNorm j's second pass and convolution j's backward on ``c_j``'s recomputed rows, and, for
@@ -175,7 +203,7 @@ class SweepCalls:
                 xs = self._sweep_input_windows(run, lo, hi, gate, trigger, reader)
             with on_device(reader.compute_device):
                 with slabs.gated([finished[1]]):
-                    g_rows = slabs.rows(G, g0, g1)
+                    g_rows = slabs.rows_of_pieces(*run.gradients[j], g0, g1)  # (G: the token, unread)
                 padded = [slabs.halo_padded(x, plan, g0, g1, lo, hi) for x in xs]
                 with tf.GradientTape(watch_accessed_variables=False) as weight_tape:
                     weight_tape.watch(weights)
@@ -208,9 +236,9 @@ class SweepCalls:
             finished = [finished[1], done]
         summed = [_sum([p[k] for p in weight_parts]) for k in range(len(weights))]
         if inner:
-            run.gradients[j - 1] = tf.concat(gradient_pieces, slabs.AXIS)
+            self._hand_on_gradient(run, j - 1, gradient_pieces)
             self._hand_first_pass(run, j - 1, first_parts)
-            run.convolution[j] = ([run.gradients[j - 1]], summed)  # the input's entry is unread (see above)
+            run.convolution[j] = ([run.tokens[j - 1]], summed)  # the input's entry is unread (see above)
         else:
             run.convolution[j] = (slabs.assembled_in_turn(input_pieces), summed)
 
@@ -284,9 +312,7 @@ class SweepCalls:
 
 def _held_rows(run, j, a, b):
     """Rows [a, b) of unit j's held convolution output, cut from the pieces of the windows they fall in."""
-    cuts = [slabs.rows(piece, max(a, s0) - s0, min(b, s1) - s0)
-            for piece, (s0, s1) in zip(run.outputs[j], run.bounds) if s0 < b and a < s1]
-    return cuts[0] if len(cuts) == 1 else tf.concat(cuts, slabs.AXIS)
+    return slabs.rows_of_pieces(run.outputs[j], run.bounds, a, b)
 
 
 def pad_own_rows(x, begin: int, end: int):

@@ -20,8 +20,10 @@ activation's, ``G_j`` the gradient of BatchNorm j's output:
   for j > 1, the activation j-1's gradient (``G_{j-1}`` rows) and BatchNorm j-1's first pass on the same
   recomputed windows; for j = 1 the gradient of the run's input.
 
-Only the gradients between passes are whole tensors (``G_j``, as a BatchNorm's slab backward holds its
-upstream gradient today); every activation is a window, unless the plan holds it: a *held* unit's convolution
+The gradients between passes (``G_j``) stay the window pieces the pass before made, each freed once pass B_j has
+cut its windows from it (``GRADIENTS_IN_PIECES``: concatenated whole, ``G_j`` was live beside its pieces and then
+beside the next gradient's, one level-0 tensor more at every pass); every activation is a window, unless the plan
+holds it: a *held* unit's convolution
 output ``c_j`` is kept on the device from pass A (which computes it anyway) until pass B_j, and the later passes
 slice it instead of convolving again (``Sweep.held``; the planner chooses where the budget has room). Why:
 without it a two-unit run convolves its first unit three times and its second twice in the backward; held, once
@@ -61,6 +63,9 @@ ENABLED = True
 FORCED = False
 HELD_FORCED = False
 FOLD_POOLING = True
+# Gradients between a sweep's passes kept as their window pieces (``sweep_calls.SweepCalls._hand_on_gradient``); off:
+# concatenated whole (the control of tests/offload/tensorflow/test_sweep_pieces.py).
+GRADIENTS_IN_PIECES = True
 TILING_POOLINGS = {"MaxPooling2D", "MaxPooling3D", "AveragePooling2D", "AveragePooling3D"}
 MAX_UNITS = 2  # units per run: pass B_j recomputes units 1..j, so the recompute grows as m^2 (a U-Net level: 2)
 
