@@ -46,7 +46,7 @@ import time
 
 from keras_lms.testing.conv_flops import convolution_flops
 from keras_lms.testing.grappler_swaps import register_swap_ops, swap_pairs
-from keras_lms.testing.timeline_peak import MemoryPeak, peak_memory
+from keras_lms.testing.timeline_peak import MemoryPeak, buffers, peak_memory
 from keras_lms.testing.traced_step import trace_training_step
 from keras_lms.testing.virtual_cluster import GPU, grappler_memory_estimate, optimize, schedule, virtual_cluster
 
@@ -124,3 +124,17 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
                       gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps,
                       grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate,
                       before_memory_pass=before_memory_pass, fetch=traced.fetch, optimized=optimized)
+
+
+def executed_buffers(model, x_shape, y_shape, dtype="float32", optimizer="adam") -> list:
+    """The compute device's buffers (``timeline_peak.buffers``: name, size, start and end) of one training step of
+    ``model`` as grappler optimises it for the virtual GPU and its scheduler replays it: for tests that look at what
+    is live during some ops (a pass, a call), not only at the step's peak."""
+    traced = trace_training_step(model, x_shape, y_shape, dtype, optimizer)
+    cluster = virtual_cluster()
+    try:
+        optimized = optimize(traced.graph_def, traced.fetch, cluster)
+        step_stats, _ = schedule(optimized, traced.fetch, cluster)
+    finally:
+        cluster.Shutdown()
+    return [b for b in buffers(optimized, step_stats, traced.fetch) if b.device == GPU and b.size > 0]

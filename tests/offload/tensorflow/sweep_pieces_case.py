@@ -24,8 +24,7 @@ configure_logical_cpus()
 import keras_lms  # noqa: E402
 from benchmarks.models import unet  # noqa: E402
 from keras_lms.offload.tensorflow import slabs, sweeps  # noqa: E402
-from keras_lms.testing import simulated_gpu, timeline_peak  # noqa: E402
-from keras_lms.testing.virtual_cluster import GPU  # noqa: E402
+from keras_lms.testing import simulated_gpu  # noqa: E402
 
 edge, pieces = int(sys.argv[1]), sys.argv[2] == "1"
 sweeps.FORCED, sweeps.HELD_FORCED, sweeps.GRADIENTS_IN_PIECES = True, True, pieces
@@ -37,14 +36,7 @@ model = unet((edge, edge, edge, 1), 16, levels=2)
 wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes="4MiB")
 report = keras_lms.report(wrapped, batch_size=1)
 shape = (1, edge, edge, edge, 1)
-traced = simulated_gpu.trace_training_step(wrapped, shape, shape, "float32", "adam")
-cluster = simulated_gpu.virtual_cluster()
-try:
-    optimized = simulated_gpu.optimize(traced.graph_def, traced.fetch, cluster)
-    stats, _ = simulated_gpu.schedule(optimized, traced.fetch, cluster)
-finally:
-    cluster.Shutdown()
-buffers = [b for b in timeline_peak.buffers(optimized, stats, traced.fetch) if b.device == GPU and b.size > 0]
+buffers = simulated_gpu.executed_buffers(wrapped, shape, shape, "float32", "adam")
 sweep_ops = [b for b in buffers if b.name.startswith("lms_sweep_up0_")]
 times = sorted({b.start for b in sweep_ops} | {b.end for b in sweep_ops})
 in_passes = max(sum(b.size for b in buffers if b.start <= t <= b.end) for t in times)

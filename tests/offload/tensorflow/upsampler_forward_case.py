@@ -26,8 +26,7 @@ from benchmarks.models import unet  # noqa: E402
 from keras_lms import offload, planning  # noqa: E402
 from keras_lms.offload.tensorflow import step_memory  # noqa: E402
 from keras_lms.planning.memory_model import tensor_sizes  # noqa: E402
-from keras_lms.testing import simulated_gpu, timeline_peak  # noqa: E402
-from keras_lms.testing.virtual_cluster import GPU  # noqa: E402
+from keras_lms.testing import simulated_gpu  # noqa: E402
 
 edge = int(sys.argv[1])
 model = unet((edge, edge, edge, 1), 16, levels=2)
@@ -46,15 +45,8 @@ model_charge = inputs + outputs + step_memory.forward_temporaries(call, sizes_in
                                                                    inputs if offloaded else 0)
 both_phases = inputs + outputs + inputs + 2 * outputs  # the input's copy and two outputs beside the result
 
-traced = simulated_gpu.trace_training_step(wrapped, (1, edge, edge, edge, 1), (1, edge, edge, edge, 1), "float32",
-                                           "adam")
-cluster = simulated_gpu.virtual_cluster()
-try:
-    optimized = simulated_gpu.optimize(traced.graph_def, traced.fetch, cluster)
-    stats, _ = simulated_gpu.schedule(optimized, traced.fetch, cluster)
-finally:
-    cluster.Shutdown()
-buffers = [b for b in timeline_peak.buffers(optimized, stats, traced.fetch) if b.device == GPU and b.size > 0]
+shape = (1, edge, edge, edge, 1)
+buffers = simulated_gpu.executed_buffers(wrapped, shape, shape, "float32", "adam")
 own = [b for b in buffers if "up0_upconv" in b.name and "gradient_tape" not in b.name]
 reader = [b for b in buffers if "up1_relu2" in b.name and "Relu:" in b.name and "gradient_tape" not in b.name]
 watched = own + reader
