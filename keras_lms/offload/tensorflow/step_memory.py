@@ -175,11 +175,15 @@ def slab_backward_bytes(call, sizes_in, sizes_out, plan, in_pieces: bool = False
     gradients assembled: for a reader of a concatenation's parts, the parts, concatenated one at a time once the
     output gradient is no longer read (``slabs.backward``). Charged the whole concatenation instead, the
     report's peak at 448^3 mixed_float16 on GH200 was 13.92 GiB against 11.41 in the executed graph."""
-    window = sum(sizes_in) / plan.count
-    working = SLAB_WORKING_WINDOWS * window * _compute_ratio(call.dtypes[0])
+    working = slab_working_bytes(call, sizes_in, plan)
     if in_pieces:  # a sweep's pass whose gradients are window pieces: one freed as the other is made
         return int(max(sum(sizes_in), sum(sizes_out)) + working)
     return int(sum(sizes_in) + max(sum(sizes_out), max(sizes_in, default=0)) + working)
+
+
+def slab_working_bytes(call, sizes_in, plan) -> float:
+    """A slab backward's working set (``SLAB_WORKING_WINDOWS`` windows of its input, in the compute dtype)."""
+    return SLAB_WORKING_WINDOWS * sum(sizes_in) / plan.count * _compute_ratio(call.dtypes[0])
 
 
 def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict:
@@ -209,8 +213,7 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
         # the run's input gradient is assembled one part of a concatenation at a time (never concatenated)
         assembled = sizes_in[parts[0]] if j == 1 and parts is not None else sizes_in[conv]
         held[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows, in_pieces=j > 1 and pieces)
-        working[bn] = slab_backward_bytes(calls[conv], assembled, sizes_out[conv], windows, in_pieces=True) - max(
-            sum(assembled), sum(sizes_out[conv]))  # (the slab working set alone)
+        working[bn] = int(slab_working_bytes(calls[conv], assembled, windows))
         if j > 1:  # the pass also takes BatchNorm j-1's first pass on its windows: a second BatchNorm's temporaries
             window = sum(sizes_in[bn]) / max(1, sweep.windows)
             inner = int(SWEEP_INNER_WORKING_WINDOWS * window * _compute_ratio(calls[bn].dtypes[0]))
@@ -218,8 +221,7 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
             working[bn] += inner
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
-    held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows,
-                                     in_pieces=sweeps.GRADIENTS_IN_PIECES)
+    held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows, in_pieces=pieces)
     if sweep.folded is not None:
         held[sweep.folded] = sum(sizes_out[sweep.folded])
         held[last] += int(sum(sizes_in[sweep.folded]) / max(1, sweep.windows))
@@ -231,9 +233,10 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
     if pieces:
         if sweep.held:
             window = int(SWEEP_HELD_WORKING_WINDOWS * sum(sizes_out[units[-1][0]]) / max(1, sweep.windows))
-            for i in [last] + [bn for _, bn, _ in units[1:]]:
-                held[i] += window
-                working[i] = working.get(i, 0) + window
+            held[last] += window
+            for _, bn, _ in units[1:]:
+                held[bn] += window
+                working[bn] += window
         # pass A cuts every window of its upstream gradient at once (the gradient and its windows, before any piece)
         held[last] = max(held[last], 2 * sum(sizes_out[last]))
         # pass B_j frees its held output's pieces as it reads them, while its own gradient pieces are made:
