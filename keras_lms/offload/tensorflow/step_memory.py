@@ -217,8 +217,7 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
         if j > 1:  # the pass also takes BatchNorm j-1's first pass on its windows: a second BatchNorm's temporaries
             window = sum(sizes_in[bn]) / max(1, sweep.windows)
             inner = int(SWEEP_INNER_WORKING_WINDOWS * window * _compute_ratio(calls[bn].dtypes[0]))
-            held[bn] += inner
-            working[bn] += inner
+            held[bn], working[bn] = held[bn] + inner, working[bn] + inner
         held[act] = sum(sizes_in[act])
     last = units[-1][2]
     held[last] = slab_backward_bytes(calls[last], sizes_in[last], sizes_out[last], windows, in_pieces=pieces)
@@ -235,8 +234,7 @@ def sweep_backward_bytes(calls, sweep, slabs: dict, sizes_in, sizes_out) -> dict
             window = int(SWEEP_HELD_WORKING_WINDOWS * sum(sizes_out[units[-1][0]]) / max(1, sweep.windows))
             held[last] += window
             for _, bn, _ in units[1:]:
-                held[bn] += window
-                working[bn] += window
+                held[bn], working[bn] = held[bn] + window, working[bn] + window
         # pass A cuts every window of its upstream gradient at once (the gradient and its windows, before any piece)
         held[last] = max(held[last], 2 * sum(sizes_out[last]))
         # pass B_j frees its held output's pieces as it reads them, while its own gradient pieces are made:
