@@ -113,6 +113,27 @@ def planned_prefetch(monkeypatch):
 
 
 @pytest.fixture
+def planned_leads(monkeypatch):
+    """``planned_leads({index: lead})``: every plan made afterwards starts those calls' copies back ``lead`` calls
+    ahead (``PlanEntry.copy_back_lead``), as ``planning.copy_back_leads`` may choose: for the back ends' tests
+    that the step runs each call's own lead, not one depth for all."""
+    from keras_lms.planning import step as planning_step
+
+    build = planning_step.build_plan
+
+    def plan_with(leads: dict) -> None:
+        def build_plan(*args, **kwargs):
+            entries = build(*args, **kwargs)
+            for index, lead in leads.items():
+                entries[index].copy_back_lead = lead
+            return entries
+
+        monkeypatch.setattr(planning_step, "build_plan", build_plan)
+
+    return plan_with
+
+
+@pytest.fixture
 def mixed_precision():
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:

@@ -13,7 +13,7 @@ import keras
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.planning import rules
-from keras_lms.planning.plan import CallDecision, RawCall, planned_prefetch
+from keras_lms.planning.plan import CallDecision, RawCall, planned_leads, planned_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,8 @@ class InterceptingContext:
         self.plan = plan  # list[PlanEntry] for this input signature
         # how many calls ahead copies back start: the planner's choice where it made one (PlanEntry.prefetch)
         self.prefetch = planned_prefetch(plan, config.prefetch)
+        # and per call, where the planner started some earlier (PlanEntry.copy_back_lead): ``lead_of`` reads it
+        self.leads = planned_leads(plan, config.prefetch)
         self.eager = eager
         self.host = host
         self.index = 0

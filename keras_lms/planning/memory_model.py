@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_lms.planning import layer_facts
-from keras_lms.planning.plan import chosen_sweeps, tensor_bytes
+from keras_lms.planning.plan import chosen_sweeps, lead_of, tensor_bytes
 from keras_lms.planning.recompute import active_sources
 
 # Safety margin on the activation peak for the planner's budget decisions only (not in reported predictions):
@@ -143,9 +143,10 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
 
     def arrives(reader):
         """Position from which the swap-in for ``reader``'s backward occupies the device."""
-        if prefetch <= 0:
+        lead = lead_of(prefetch, reader)
+        if lead <= 0:
             return positions - 1 - reader
-        trigger = min(reader + prefetch, n - 1)
+        trigger = min(reader + lead, n - 1)
         trigger = handed.get(trigger, trigger)  # a swept call's gradient may exist before its own backward
         # the copy back takes about as long as a short (memory-bound) backward: it lands during the trigger's
         # backward only when that is a convolution/matmul or a sweep's pass (which runs convolutions), else after

@@ -54,6 +54,9 @@ class PlanEntry:
         prefetch: how many calls ahead the step starts copies back, where the time-aware planner chose a depth
             (with ``device_profile`` and ``device_budget``: the shortest predicted step that fits); the same on
             every entry of a plan. None: ``LMSConfig.prefetch``.
+        copy_back_lead: how many calls ahead this call's copies back start, where the time-aware planner starts
+            them earlier than the plan's depth (a backward that waits for its copies while the budget has room
+            for them to land sooner); None: ``prefetch``.
     """
 
     index: int
@@ -79,6 +82,7 @@ class PlanEntry:
     sweep_held: tuple = ()
     sweep_folded: tuple | None = None
     prefetch: int | None = None
+    copy_back_lead: int | None = None
     parked_inputs: list = dataclasses.field(default_factory=list)
 
     @property
@@ -215,6 +219,27 @@ def offloaded_keys(calls, decisions) -> set:
 def planned_prefetch(entries, default: int) -> int:
     """The prefetch depth a plan runs with: the planner's choice (``PlanEntry.prefetch``), else ``default``."""
     return next((e.prefetch for e in entries if e.prefetch is not None), default)
+
+
+def planned_leads(entries, default: int):
+    """How many calls ahead each call's copies back start: the plan's prefetch depth (``planned_prefetch``), or,
+    where the planner started some copies earlier (``PlanEntry.copy_back_lead``), a tuple with one depth per call
+    (what ``lead_of`` reads; the memory model and the step time accept either)."""
+    depth = planned_prefetch(entries, default)
+    if all(getattr(e, "copy_back_lead", None) is None for e in entries):
+        return depth
+    return tuple(depth if getattr(e, "copy_back_lead", None) is None else e.copy_back_lead for e in entries)
+
+
+def lead_of(prefetch, reader: int) -> int:
+    """The prefetch depth of ``reader``'s copies back: ``prefetch`` is one depth for every call, or one per call
+    (``planned_leads``)."""
+    return prefetch[reader] if isinstance(prefetch, tuple) else prefetch
+
+
+def deepest_lead(prefetch) -> int:
+    """The largest prefetch depth of ``prefetch`` (one depth, or one per call)."""
+    return max(prefetch, default=0) if isinstance(prefetch, tuple) else prefetch
 
 
 def planned_sweeps(entries) -> dict:

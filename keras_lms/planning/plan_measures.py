@@ -7,7 +7,7 @@ these two questions hundreds of times, the same way.
 from __future__ import annotations
 
 from keras_lms.planning.memory_model import simulate
-from keras_lms.planning.plan import planned_prefetch, planned_short_chains, planned_slab_bytes, planned_sweeps
+from keras_lms.planning.plan import planned_leads, planned_short_chains, planned_slab_bytes, planned_sweeps
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import predict_step_time
 
@@ -17,13 +17,20 @@ def plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None,
     """The predicted step of the plan of ``entries`` on ``config.device_profile``, with the given offload
     decisions, prefetch depth or recomputed tensors in place of the plan's (the rest of the plan as it is; the
     time-side twin of ``fits_budget``)."""
+    return plan_time(calls, entries, config, facts, batch_size, offloaded, prefetch, recomputed,
+                     short_chains).step_seconds
+
+
+def plan_time(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None, recomputed=None,
+              short_chains=None):
+    """``plan_seconds``'s ``StepTime`` (where the step waits, per call: ``copy_back_leads``)."""
     rows = [list(e.tensor_offloaded) for e in entries] if offloaded is None else offloaded
     return predict_step_time(calls, rows, facts, config.device_profile, batch_size,
-                             planned_prefetch(entries, config.prefetch) if prefetch is None else prefetch,
+                             planned_leads(entries, config.prefetch) if prefetch is None else prefetch,
                              planned_slab_bytes(entries), config.lean_normalization,
                              recomputed_producers(entries) if recomputed is None else recomputed,
                              planned_sweeps(entries),
-                             planned_short_chains(entries) if short_chains is None else short_chains).step_seconds
+                             planned_short_chains(entries) if short_chains is None else short_chains)
 
 
 def fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,

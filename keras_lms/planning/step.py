@@ -1,8 +1,9 @@
 """One planning entry point: trace a training step, count what it holds besides activations, decide the plan.
 
-``plan_step`` is the sequence trace -> static bytes -> optimizer-update temporaries -> rules and budget, written
-once for the wrapped model's per-signature plans, ``LMSModel.plan(batch_size)`` and ``keras_lms.report``. The
-back end is passed in (an object satisfying ``keras_lms.offload.Backend``): planning imports no back end.
+``plan_step`` is the sequence trace -> static bytes -> optimizer-update temporaries -> rules and budget -> copies
+back started earlier where a backward waits for them (``copy_back_leads``), written once for the wrapped model's
+per-signature plans, ``LMSModel.plan(batch_size)`` and ``keras_lms.report``. The back end is passed in
+(an object satisfying ``keras_lms.offload.Backend``): planning imports no back end.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from keras_lms.config import LMSConfig
 from keras_lms.planning import rules
 from keras_lms.planning.backend_facts import BackendFacts
 from keras_lms.planning.budget import build_plan
+from keras_lms.planning.copy_back_leads import plan_copy_back_leads
 from keras_lms.planning.memory_model import StepMemory, simulate, static_bytes
-from keras_lms.planning.plan import planned_prefetch, planned_short_chains, planned_slab_bytes, planned_sweeps
+from keras_lms.planning.plan import (
+    planned_leads,
+    planned_prefetch,
+    planned_short_chains,
+    planned_slab_bytes,
+    planned_sweeps,
+)
 from keras_lms.planning.recompute import recomputed_producers
 from keras_lms.planning.step_time import StepTime, predict_step_time
 from keras_lms.planning.traffic import LinkTraffic, link_traffic
@@ -59,6 +67,12 @@ class StepPlan:
         return planned_prefetch(self.entries, self.config.prefetch)
 
     @property
+    def leads(self):
+        """How many calls ahead each call's copies back start: ``prefetch``, or one depth per call where the
+        planner started some earlier (``plan.planned_leads``)."""
+        return planned_leads(self.entries, self.config.prefetch)
+
+    @property
     def slab_bytes(self) -> int:
         """The slab size the step uses (the budget planner may have chosen smaller slabs than the config's)."""
         return planned_slab_bytes(self.entries, self.config.slab_bytes)
@@ -67,7 +81,7 @@ class StepPlan:
         """The predicted device memory of the step as planned (or with ``offloaded`` instead of the plan's, with
         nothing recomputed)."""
         return simulate(self.calls, self.offloaded if offloaded is None else offloaded, self.facts, self.batch_size,
-                        self.prefetch if offloaded is None else self.config.prefetch, self.static_bytes,
+                        self.leads if offloaded is None else self.config.prefetch, self.static_bytes,
                         update_bytes=self.update_bytes,
                         lean_normalization=self.config.lean_normalization, slab_bytes=self.slab_bytes,
                         recomputed=self.recomputed if offloaded is None else frozenset(),
@@ -119,7 +133,7 @@ class StepPlan:
         if swept is None:
             swept = self.swept if offloaded is None else {}
         return predict_step_time(self.calls, self.offloaded if offloaded is None else offloaded, self.facts,
-                                 profile, self.batch_size, self.prefetch if offloaded is None else self.config.prefetch,
+                                 profile, self.batch_size, self.leads if offloaded is None else self.config.prefetch,
                                  self.slab_bytes, self.config.lean_normalization, recomputed, swept,
                                  self.short_chains if offloaded is None else frozenset())
 
@@ -148,4 +162,5 @@ def plan_step(backend, model, structure, config: LMSConfig, inputs, kwargs=None,
     static = static_bytes(model, facts, optimizer)
     update = facts.update_temporary_bytes(model, optimizer)
     entries = build_plan(calls, config, facts, batch_size, static, update)
+    plan_copy_back_leads(calls, entries, config, facts, batch_size, static, update)
     return StepPlan(calls, entries, config, facts, batch_size, static, update)

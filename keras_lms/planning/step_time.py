@@ -30,6 +30,7 @@ import math
 
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
+from keras_lms.planning.plan import lead_of
 from keras_lms.planning.traffic import link_traffic
 
 
@@ -169,7 +170,8 @@ def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, pre
 
     triggered = {}
     for c in range(n):
-        triggered.setdefault(c if prefetch <= 0 else min(c + prefetch, n - 1), []).append(c)
+        lead = lead_of(prefetch, c)
+        triggered.setdefault(c if lead <= 0 else min(c + lead, n - 1), []).append(c)
     t = 0.0
     for i in range(n):  # forward
         link.advance_to(t)

@@ -27,7 +27,7 @@ from keras_lms.offload.tensorflow.slab_calls import SlabCalls
 from keras_lms.offload.tensorflow.sweep_calls import SweepCalls
 from keras_lms.offload.tensorflow.tracing import TENSOR_FACTS
 from keras_lms.planning import layer_facts
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import lead_of, tensor_bytes
 
 
 class _Reader(typing.NamedTuple):
@@ -245,8 +245,9 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
 
     # ----------------------------------------------------------------- backward
     def _trigger(self, record):
-        """The gradient tensor whose arrival starts this call's swap-in (prefetch calls ahead)."""
-        for j in range(record.index + self.prefetch, record.index, -1):
+        """The gradient tensor whose arrival starts this call's swap-in (its lead of calls ahead: the plan's
+        prefetch depth, or the call's own, ``PlanEntry.copy_back_lead``)."""
+        for j in range(record.index + lead_of(self.leads, record.index), record.index, -1):
             other = self.records.get(j)
             if other is not None and other.marker is not None:
                 return other.marker

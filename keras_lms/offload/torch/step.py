@@ -20,18 +20,21 @@ from keras_lms.offload.torch.offloader import offloader_for
 from keras_lms.offload.torch.rng import _RngState
 from keras_lms.offload.torch.tracing import TENSOR_FACTS
 from keras_lms.offload.torch.transfer import Transfer, _HostCopy
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import deepest_lead, lead_of, tensor_bytes
 
 
-def swap_in_order(index: int, pending, prefetch: int) -> list:
+def swap_in_order(index: int, pending, prefetch) -> list:
     """Which offloaded calls' swap-ins the backward of call ``index`` starts, in the order they are issued.
 
     ``pending`` holds the calls whose swap-in has not started. The call's own inputs come first (needed now),
     then calls ``index-1 .. index-prefetch`` of the forward pass (their backward runs next, in that order).
-    With ``prefetch=0`` a call brings back only its own inputs, when its gradient arrives.
+    With ``prefetch=0`` a call brings back only its own inputs, when its gradient arrives. ``prefetch`` is one
+    depth, or one per call (``plan.planned_leads``): call ``i`` is started by the backward of ``i + its lead``
+    (or an earlier one, where that call's backward started nothing: it is pending still).
     """
     order = [index] if index in pending else []
-    order += [i for i in range(index - 1, index - prefetch - 1, -1) if i in pending]
+    order += [i for i in range(index - 1, index - deepest_lead(prefetch) - 1, -1)
+              if i in pending and i + lead_of(prefetch, i) >= index]
     return order
 
 
@@ -185,12 +188,13 @@ class StepContext(common.InterceptingContext):
 
     # ---------------------------------------------------------------------------------- backward
     def begin_backward(self, record):
-        """Start this call's swap-in (if not prefetched) and those of the next ``prefetch`` calls."""
+        """Start this call's swap-in (if not prefetched) and those of the calls whose lead reaches it (the next
+        ``prefetch`` calls, or as ``PlanEntry.copy_back_lead`` says)."""
         with self._lock:
-            candidates = {i: self.records.get(i) for i in range(record.index - self.prefetch, record.index)}
+            candidates = {i: self.records.get(i) for i in range(record.index - deepest_lead(self.leads), record.index)}
             candidates[record.index] = record
             pending = {i for i, r in candidates.items() if r is not None and not r.started}
-            for i in swap_in_order(record.index, pending, self.prefetch):
+            for i in swap_in_order(record.index, pending, self.leads):
                 candidates[i].start_swap_in()
 
     def end_backward(self, record):

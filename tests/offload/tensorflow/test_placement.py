@@ -124,3 +124,22 @@ def test_the_planned_prefetch_gates_the_swap_ins(planned_prefetch):
     n_calls = len(wrapped.lms_plan)
     assert triggers and {e.prefetch for e in wrapped.lms_plan} == {2}
     assert all(trig == {min(own + 2, n_calls - 1)} for own, trig in triggers.items()), triggers
+
+
+def test_a_call_with_its_own_lead_is_gated_on_that_calls_gradient(planned_leads):
+    """A call whose copies back the planner starts earlier than the plan's depth (``PlanEntry.copy_back_lead``,
+    ``planning.copy_back_leads``) is gated on the gradient of the call its lead names; the others keep the
+    depth (the control: the same step without the leads gates every call one ahead)."""
+    model = models.cnn_bn_dropout()
+    x = RNG.random((2, 16, 16, 3)).astype("float32")
+    control = _swap_in_triggers(trace_step(keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=1), x))
+    led = sorted(control)[:2]
+    planned_leads({led[0]: 3, led[1]: 4})
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, prefetch=1)
+    triggers = _swap_in_triggers(trace_step(wrapped, x))
+    n_calls = len(wrapped.lms_plan)
+    assert set(triggers) == set(control)
+    for own, trig in triggers.items():
+        lead = {led[0]: 3, led[1]: 4}.get(own, 1)
+        assert trig == {min(own + lead, n_calls - 1)}, (own, trig, lead)
+        assert control[own] == {min(own + 1, n_calls - 1)}

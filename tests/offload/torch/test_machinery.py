@@ -133,6 +133,25 @@ def test_the_planned_prefetch_is_what_the_step_runs(planned_prefetch, monkeypatc
     assert started_by == {i: min(i + 3, n - 1) for i in range(n)}
 
 
+def test_a_call_with_its_own_lead_is_started_by_that_calls_backward(planned_leads, monkeypatch):
+    # planning.copy_back_leads may start one call's copies back earlier than the plan's depth
+    # (PlanEntry.copy_back_lead): the backward of call i + lead starts it; the other calls keep the depth.
+    planned_leads({1: 4, 2: 3})
+    n = 8
+    wrapped = keras_lms.wrap(_dense_chain(n), min_bytes=0, keep_last=0, prefetch=1)
+    _, started_by = _swap_in_starts(wrapped, monkeypatch, n)
+    assert [e.copy_back_lead for e in wrapped.lms_plan][:3] == [None, 4, 3]
+    assert started_by == {i: min(i + {1: 4, 2: 3}.get(i, 1), n - 1) for i in range(n)}
+
+
+def test_swap_in_order_with_one_lead_per_call():
+    from keras_lms.offload.torch.step import swap_in_order
+
+    leads = (1, 4, 3, 1, 1, 1, 1, 1)
+    assert swap_in_order(5, {5, 4, 3, 2, 1}, leads) == [5, 4, 2, 1]  # call 3's lead (1) does not reach call 5
+    assert swap_in_order(5, {5, 4, 3, 2, 1}, 1) == [5, 4]  # one depth for every call: as before
+
+
 # --------------------------------------------------------------------------------- host copies
 def test_one_host_copy_per_tensor_shared_by_consumers(monkeypatch):
     """A tensor consumed by two offloaded calls (a skip connection) is copied to host once per step."""
