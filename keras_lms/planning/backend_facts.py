@@ -66,6 +66,9 @@ class BackendFacts:
             until its forward pass returns.
         shared_copy_stream: the offload queues copies in both directions on one stream, so they run one at a
             time in issue order (the step-time model's link then has one engine, not one per direction).
+        starts_copies_back_per_call: the step starts each call's copy back where the plan says, one lead per call
+            (``PlanEntry.copy_back_lead``: TensorFlow's gates, torch's backward hooks); False where a compiler's
+            scheduler places the transfers itself (XLA on JAX), and the planner then sets no leads.
     """
 
     output_gradient_activations: frozenset = frozenset()
@@ -79,6 +82,7 @@ class BackendFacts:
     weight_gradients_from_their_backward: bool = False
     plain_model_keeps_layer_outputs: bool = False
     shared_copy_stream: bool = False
+    starts_copies_back_per_call: bool = True
 
     # ------------------------------------------------------- what the step's kernels move
     def eager_bytes(self, call, input_bytes: int, output_bytes: int):

@@ -43,11 +43,13 @@ MIN_WAIT = 1e-4
 def plan_copy_back_leads(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
                          update_bytes: int = 0) -> None:
     """Set ``PlanEntry.copy_back_lead`` on the calls whose copies back should start earlier than the plan's depth
-    (see the module docstring). Needs a device profile; with ``prefetch=0`` (copies back only when their gradient
-    arrives, the user's explicit choice) nothing moves. The memory cap is ``device_budget`` where the plan fits it
-    with the margin, else the plan's own predicted peak with the margin (without a budget too)."""
+    (see the module docstring). Needs a device profile and a back end that starts copies back per call
+    (``BackendFacts.starts_copies_back_per_call``: not JAX, whose XLA places them); with ``prefetch=0`` (copies
+    back only when their gradient arrives, the user's explicit choice) nothing moves. The memory cap is
+    ``device_budget`` where the plan fits it with the margin, else the plan's own predicted peak with the margin
+    (without a budget too)."""
     if (not COPY_BACK_LEADS or config.device_profile is None or config.prefetch < 1
-            or not any(e.offloaded for e in entries)):
+            or not facts.starts_copies_back_per_call or not any(e.offloaded for e in entries)):
         return
     n = len(entries)
     leads = planned_leads(entries, config.prefetch)

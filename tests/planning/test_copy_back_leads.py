@@ -74,18 +74,25 @@ def test_with_a_budget_a_lead_never_takes_the_plan_over_it():
     assert simulate(calls, rows(entries), FACTS, prefetch=leads).budget_bytes <= budget
 
 
-@pytest.mark.parametrize("control", ["search off", "no profile", "prefetch=0"])
+@pytest.mark.parametrize("control", ["search off", "no profile", "prefetch=0", "XLA schedules the copies"])
 def test_controls_keep_one_depth(control, monkeypatch):
     calls = dense_chain()
     settings = dict(min_bytes=0, keep_last=0, include=["d0", "d4"], prefetch=2, device_profile=slow_link())
+    facts = FACTS
     if control == "search off":
         monkeypatch.setattr(copy_back_leads, "COPY_BACK_LEADS", False)
     elif control == "no profile":
         settings["device_profile"] = None
-    else:
+    elif control == "prefetch=0":
         settings["prefetch"] = 0
+    else:
+        from keras_lms.offload.jax.step_memory import JaxFacts
+
+        facts = JaxFacts()
+        assert not facts.starts_copies_back_per_call
     config = LMSConfig(**settings)
-    entries = plan(config, calls)
+    entries = build_plan(calls, config, facts)
+    plan_copy_back_leads(calls, entries, config, facts, 1)
     assert all(e.copy_back_lead is None for e in entries)
     assert planned_leads(entries, config.prefetch) == config.prefetch
 

@@ -40,6 +40,7 @@ class JaxFacts(BackendFacts):
 
     recomputes_offloaded_calls = False
     plain_model_keeps_layer_outputs = False
+    starts_copies_back_per_call = False  # XLA's scheduler places the host transfers (docs/jax_findings.md)
 
     def host_bytes(self, call, offloaded_bytes: int, batch_size: int = 1, lean_normalization: bool = True,
                    min_bytes: int = 0) -> int:
