@@ -211,7 +211,9 @@ def cases(args):
                (2, 96, 96, 96, 1), {})
 
 
-def measure(name, build, shape, settings, forced=False, lean_normalization=True, gc_off_only=False):
+def measure(name, build, shape, settings, forced=False, lean_normalization=True, gc_off_only=False, planning=None):
+    """One model's row; ``planning``: ``device_profile`` / ``device_budget`` for ``wrap`` (a time-aware plan,
+    whose copies back may start earlier per call: ``leads`` counts the calls that do)."""
     rng = np.random.default_rng(0)
     x = rng.random(shape).astype("float32")
     keras.utils.set_random_seed(0)
@@ -220,7 +222,7 @@ def measure(name, build, shape, settings, forced=False, lean_normalization=True,
     y = (rng.random(out_shape) > 0.5).astype("float32")
     if forced:
         settings = dict(min_bytes=0, keep_last=0)
-    settings = dict(settings, lean_normalization=lean_normalization)
+    settings = dict(settings, lean_normalization=lean_normalization, **(planning or {}))
     loss = "binary_crossentropy" if model.output.shape[-1] == 1 and len(shape) > 2 else "mse"
     model.compile(optimizer="adam", loss=loss)
     row = dict(model=name)
@@ -238,6 +240,7 @@ def measure(name, build, shape, settings, forced=False, lean_normalization=True,
     else:
         row["wrapped_nogc"] = step_peak(wrapped, x, y, gc_enabled=False, warmup=False)["peak"]
     rep = keras_lms.report(wrapped, batch_size=shape[0])
+    row["leads"] = sum(e.copy_back_lead is not None for e in wrapped.lms_plan)
     row["report_plain"] = predicted_step_bytes(rep.plain, model)
     row["report_wrapped"] = predicted_step_bytes(rep.wrapped, model)
     return row
@@ -257,7 +260,11 @@ def main(argv=None):
                         help="wrap(lean_normalization=False): BatchNorm recomputed with Keras' ops (the 'before')")
     parser.add_argument("--keras-tree-cycles", action="store_true",
                         help="measure without keras-lms' workaround for Keras' reference cycles (the 'before')")
+    parser.add_argument("--device-profile", default=None,
+                        help="wrap(device_profile=...): a time-aware plan (e.g. h100-pcie5), with --device-budget")
+    parser.add_argument("--device-budget", default=None, help="wrap(device_budget=...), e.g. 40MiB")
     args = parser.parse_args(argv)
+    planning = {k: v for k, v in (("device_profile", args.device_profile), ("device_budget", args.device_budget)) if v}
     lms_torch.CPU_HOST_COPIES = True
     keras.mixed_precision.set_global_policy(args.dtype_policy)
     if args.keras_tree_cycles:
@@ -273,14 +280,16 @@ def main(argv=None):
         if args.only and args.only not in name:
             continue
         start = time.perf_counter()
-        r = measure(name, build, shape, settings, args.forced, not args.no_lean_normalization, args.gc_off_only)
+        r = measure(name, build, shape, settings, args.forced, not args.no_lean_normalization, args.gc_off_only,
+                    planning)
         rows.append(r)
         print(f"| {name} | {r['plain'] / MIB:.1f} MiB | {r['wrapped'] / MIB:.1f} MiB | {r['wrapped'] / r['plain']:.3f} "
               f"| {r['wrapped_nogc'] / MIB:.1f} MiB | {r['wrapped_nogc'] / r['plain_nogc']:.3f} "
               f"| {r['report_plain'] / MIB:.1f} MiB ({r['report_plain'] / r['plain_nogc'] - 1:+.0%}) "
               f"| {r['report_wrapped'] / MIB:.1f} MiB ({r['report_wrapped'] / r['wrapped_nogc'] - 1:+.0%}) "
               f"| {r['report_wrapped'] / r['report_plain']:.3f} | {r['host'] / MIB:.1f} MiB |"
-              f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+              + (f" {r['leads']} calls with their own lead |" if planning else "")
+              + f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     return rows
 
 
