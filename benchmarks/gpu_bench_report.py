@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import keras_lms
+from keras_lms.planning import copy_back_leads
 
 GIB = float(1 << 30)
 T0 = time.perf_counter()
@@ -56,6 +57,8 @@ class Results:
                 "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                 "complete": False,
                 "elapsed_s": 0.0,
+                # whether the planner that ran started copies back per call (gpu_replay replays the plans as they ran)
+                "copy_back_leads": copy_back_leads.COPY_BACK_LEADS,
             },
             "bandwidth": None,
             "max_edge": {"plain": None, "lms": None, "voxel_ratio": None, "target_voxel_ratio": 10.0},
