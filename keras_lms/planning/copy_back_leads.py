@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from keras_lms.planning.plan import planned_leads, planned_prefetch
-from keras_lms.planning.plan_measures import plan_memory, plan_time
+from keras_lms.planning.plan_measures import plan_memory, plan_time, plan_work
 
 log = logging.getLogger("keras_lms")
 
@@ -59,13 +59,14 @@ def plan_copy_back_leads(calls, entries, config, facts, batch_size: int, static_
     settings = (calls, entries, config, facts, batch_size)
     memory = plan_memory(*settings, static_bytes, update_bytes, prefetch=tuple(leads))
     cap = max(memory.budget_bytes, config.device_budget or 0)
-    current = plan_time(*settings, prefetch=tuple(leads))
+    work = plan_work(calls, entries, facts, batch_size)  # (the same at every lead)
+    current = plan_time(*settings, prefetch=tuple(leads), work=work)
     start = current.step_seconds
     for _ in range(MAX_PASSES):
         before = current.step_seconds
         waiting = [i for i, w in enumerate(current.call_waits) if w > MIN_WAIT and any(entries[i].tensor_offloaded)]
         for call in sorted(waiting, reverse=True):  # in the order the backward reaches them
-            move = _best_lead(settings, static_bytes, update_bytes, leads, call, current, cap)
+            move = _best_lead(settings, static_bytes, update_bytes, leads, call, current, cap, work)
             if move is not None:
                 leads[call], current = move
         if current.step_seconds > before * (1 - MIN_GAIN):
@@ -83,7 +84,7 @@ def plan_copy_back_leads(calls, entries, config, facts, batch_size: int, static_
             entry.reason += f"; copies back start {entry.copy_back_lead} calls ahead (its backward waited for them)"
 
 
-def _best_lead(settings, static_bytes, update_bytes, leads, call, current, cap):
+def _best_lead(settings, static_bytes, update_bytes, leads, call, current, cap, work):
     """``(lead, StepTime)`` of the lead of ``call`` (among ``EXTRA_LEADS`` beyond its own) that shortens the
     predicted step most and fits ``cap``, or None where none gains ``MIN_GAIN``."""
     n = len(settings[0])
@@ -94,7 +95,7 @@ def _best_lead(settings, static_bytes, update_bytes, leads, call, current, cap):
         if call + lead >= n:
             break
         trial = tuple(leads[:call] + [lead] + leads[call + 1:])
-        timed = plan_time(*settings, prefetch=trial)
+        timed = plan_time(*settings, prefetch=trial, work=work)
         if timed.step_seconds >= (best[1].step_seconds if best else bar):
             continue
         if plan_memory(*settings, static_bytes, update_bytes, prefetch=trial).budget_bytes > cap:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from keras_lms.planning.memory_model import simulate
 from keras_lms.planning.plan import planned_leads, planned_short_chains, planned_slab_bytes, planned_sweeps
 from keras_lms.planning.recompute import recomputed_producers
-from keras_lms.planning.step_time import predict_step_time
+from keras_lms.planning.step_time import predict_step_time, step_work
 
 
 def plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None,
@@ -22,15 +22,23 @@ def plan_seconds(calls, entries, config, facts, batch_size: int, offloaded=None,
 
 
 def plan_time(calls, entries, config, facts, batch_size: int, offloaded=None, prefetch=None, recomputed=None,
-              short_chains=None):
-    """``plan_seconds``'s ``StepTime`` (where the step waits, per call: ``copy_back_leads``)."""
+              short_chains=None, work=None):
+    """``plan_seconds``'s ``StepTime`` (where the step waits, per call: ``copy_back_leads``); ``work``: the plan's
+    ``plan_work``, for a search that changes only the prefetch depths."""
     rows = [list(e.tensor_offloaded) for e in entries] if offloaded is None else offloaded
     return predict_step_time(calls, rows, facts, config.device_profile, batch_size,
                              planned_leads(entries, config.prefetch) if prefetch is None else prefetch,
                              planned_slab_bytes(entries), config.lean_normalization,
                              recomputed_producers(entries) if recomputed is None else recomputed,
                              planned_sweeps(entries),
-                             planned_short_chains(entries) if short_chains is None else short_chains)
+                             planned_short_chains(entries) if short_chains is None else short_chains, work)
+
+
+def plan_work(calls, entries, facts, batch_size: int):
+    """The plan's ``step_time.StepWork``: what its step computes and moves, at any prefetch depth."""
+    return step_work(calls, [list(e.tensor_offloaded) for e in entries], facts, batch_size,
+                     planned_slab_bytes(entries), recomputed_producers(entries), planned_sweeps(entries),
+                     planned_short_chains(entries))
 
 
 def fits_budget(calls, entries, config, facts, batch_size: int, static_bytes: int, update_bytes: int,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import typing
 
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
@@ -139,23 +140,42 @@ def _compute_seconds(cost, profile, flops_factor: float, backward: bool) -> floa
             + cost.forward_layout_bytes / profile.layout_copy_rate())
 
 
+class StepWork(typing.NamedTuple):
+    """What a plan's step computes and moves, whatever its prefetch depths: ``step_work`` once, for a search that
+    times one plan at many depths (``copy_back_leads``: half of each timing was this)."""
+
+    costs: list
+    traffic: object
+    slabs: dict
+    elided: dict
+
+
+def step_work(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int = 0, recomputed=frozenset(),
+              swept=None, short_chains=frozenset()) -> StepWork:
+    """The per-call costs, host-link traffic, slabs and elided concatenations of a plan (see ``StepWork``)."""
+    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if calls else {}
+    return StepWork([call_cost(call, batch_size, facts) for call in calls],
+                    link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept, short_chains),
+                    slabs, facts.elided_concatenations(calls, slabs, batch_size) if slabs else {})
+
+
 def predict_step_time(calls, offloaded, facts, profile, batch_size: int = 1, prefetch: int = 1,
                       slab_bytes: int = 0, lean_normalization: bool = True, recomputed=frozenset(),
-                      swept=None, short_chains=frozenset()) -> StepTime:
+                      swept=None, short_chains=frozenset(), work: StepWork | None = None) -> StepTime:
     """The predicted step time of a plan (``offloaded[i][j]``: input j of call i goes to host; ``recomputed``:
     the calls whose outputs are recomputed instead of copied; ``swept``: the level sweeps it runs, first call ->
     windows, ``plan.planned_sweeps``; ``short_chains``: ``plan.planned_short_chains``) on ``profile`` (a
-    ``DeviceProfile``); with no input offloaded it is the plain step. See the module docstring."""
+    ``DeviceProfile``); with no input offloaded it is the plain step. ``work``: ``step_work`` of the same plan,
+    computed once by the caller. See the module docstring."""
     n = len(calls)
-    costs = [call_cost(call, batch_size, facts) for call in calls]
-    traffic = link_traffic(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept, short_chains)
+    if work is None:
+        work = step_work(calls, offloaded, facts, batch_size, slab_bytes, recomputed, swept, short_chains)
+    costs, traffic, slabs, elided = work
 
     def window_recompute(flops_and_bytes, dtype):
         flops, nbytes = flops_and_bytes
         return flops / profile.flops_rate(dtype) + nbytes / profile.elementwise_bytes_per_second, flops
 
-    slabs = facts.slab_plans(calls, offloaded, batch_size, slab_bytes) if n else {}
-    elided = facts.elided_concatenations(calls, slabs, batch_size) if slabs else {}
     link = _Link(profile, facts.shared_copy_stream)
     plain = recompute = flops = extra_flops = 0.0
     waits, redone = [0.0] * n, [0.0] * n
