@@ -91,23 +91,32 @@ def no_host_copies(monkeypatch):
     yield
 
 
+def _edit_every_plan(monkeypatch, edit) -> None:
+    """Every plan made afterwards (``planning.step.build_plan``) passes through ``edit(entries)``."""
+    from keras_lms.planning import step as planning_step
+
+    build = planning_step.build_plan
+
+    def build_plan(*args, **kwargs):
+        entries = build(*args, **kwargs)
+        edit(entries)
+        return entries
+
+    monkeypatch.setattr(planning_step, "build_plan", build_plan)
+
+
 @pytest.fixture
 def planned_prefetch(monkeypatch):
     """``planned_prefetch(depth)``: every plan made afterwards says copies back start ``depth`` calls ahead
     (``PlanEntry.prefetch``), as the time-aware planner (``planning.budget._plan_prefetch``) may choose: for the
     back ends' tests that the step runs the plan's depth, not ``LMSConfig.prefetch``."""
-    from keras_lms.planning import step as planning_step
-
-    build = planning_step.build_plan
 
     def plan_with(depth: int) -> None:
-        def build_plan(*args, **kwargs):
-            entries = build(*args, **kwargs)
+        def edit(entries):
             for entry in entries:
                 entry.prefetch = depth
-            return entries
 
-        monkeypatch.setattr(planning_step, "build_plan", build_plan)
+        _edit_every_plan(monkeypatch, edit)
 
     return plan_with
 
@@ -117,18 +126,13 @@ def planned_leads(monkeypatch):
     """``planned_leads({index: lead})``: every plan made afterwards starts those calls' copies back ``lead`` calls
     ahead (``PlanEntry.copy_back_lead``), as ``planning.copy_back_leads`` may choose: for the back ends' tests
     that the step runs each call's own lead, not one depth for all."""
-    from keras_lms.planning import step as planning_step
-
-    build = planning_step.build_plan
 
     def plan_with(leads: dict) -> None:
-        def build_plan(*args, **kwargs):
-            entries = build(*args, **kwargs)
+        def edit(entries):
             for index, lead in leads.items():
                 entries[index].copy_back_lead = lead
-            return entries
 
-        monkeypatch.setattr(planning_step, "build_plan", build_plan)
+        _edit_every_plan(monkeypatch, edit)
 
     return plan_with
 

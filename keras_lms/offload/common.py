@@ -13,7 +13,7 @@ import keras
 
 from keras_lms import _keras_adapter as adapter
 from keras_lms.planning import rules
-from keras_lms.planning.plan import CallDecision, RawCall, planned_leads, planned_prefetch
+from keras_lms.planning.plan import CallDecision, RawCall, planned_leads
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +270,8 @@ class InterceptingContext:
         self.config = config
         self.structure = structure
         self.plan = plan  # list[PlanEntry] for this input signature
-        # how many calls ahead copies back start: the planner's choice where it made one (PlanEntry.prefetch)
-        self.prefetch = planned_prefetch(plan, config.prefetch)
-        # and per call, where the planner started some earlier (PlanEntry.copy_back_lead): ``lead_of`` reads it
+        # how many calls ahead copies back start: the planner's depth where it chose one (PlanEntry.prefetch), or
+        # one per call where it started some earlier (PlanEntry.copy_back_lead); ``plan.lead_of`` reads either
         self.leads = planned_leads(plan, config.prefetch)
         self.eager = eager
         self.host = host

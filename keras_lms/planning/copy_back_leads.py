@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from keras_lms.planning.plan import planned_leads, planned_prefetch
+from keras_lms.planning.plan import lead_of, planned_leads, planned_prefetch
 from keras_lms.planning.plan_measures import plan_memory, plan_time, plan_work
 
 log = logging.getLogger("keras_lms")
@@ -54,8 +54,8 @@ def plan_copy_back_leads(calls, entries, config, facts, batch_size: int, static_
             or not facts.starts_copies_back_per_call or not any(e.offloaded for e in entries)):
         return
     n = len(entries)
-    leads = planned_leads(entries, config.prefetch)
-    leads = list(leads) if isinstance(leads, tuple) else [leads] * n
+    planned = planned_leads(entries, config.prefetch)
+    leads = [lead_of(planned, i) for i in range(n)]
     settings = (calls, entries, config, facts, batch_size)
     memory = plan_memory(*settings, static_bytes, update_bytes, prefetch=tuple(leads))
     cap = max(memory.budget_bytes, config.device_budget or 0)
