@@ -46,7 +46,8 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
     entry = ctx.plan[index] if index < len(ctx.plan) else None
     if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(sizes):
         return CallDecision(list(entry.tensor_offloaded), entry.reason, entry.slab_bytes, entry.recompute_from,
-                            entry.sweep, entry.sweep_windows, entry.sweep_held, entry.sweep_folded)
+                            entry.sweep, entry.sweep_windows, entry.sweep_held, entry.sweep_folded,
+                            entry.folded_pooling)
     if not ctx.mismatch_warned:
         ctx.mismatch_warned = True
         log.warning(

@@ -249,6 +249,12 @@ class BackendFacts:
         ``offload.tensorflow.sweeps.Sweep``; none here)."""
         return []
 
+    def pooling_folds(self, calls, offloaded, slabs: dict) -> dict:
+        """Pooling call index -> ``(activation call index, stride)`` where the activation's slab backward takes
+        the pooling's input gradient window by window and the pooling's backward returns none (TensorFlow's
+        ``offload.tensorflow.pooling_folds``; none here). Callers drop the folds of swept calls."""
+        return {}
+
     def forced_sweeps(self) -> bool:
         """Whether every candidate of ``slab_sweeps`` is swept whatever the profile (a test switch)."""
         return False

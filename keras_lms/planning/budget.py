@@ -378,6 +378,8 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
     chains = facts.fused_slab_chains(calls, offloaded_rows, plans)
     fused_sources = {source for source, _ in chains.values()}
+    for pool, (act, stride) in facts.pooling_folds(calls, offloaded_rows, plans).items():
+        entries[act].folded_pooling = (pool, stride)  # (the executor runs it where no level sweep does)
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
         if plan.moments and i not in fused_sources:  # say why its copy comes back twice

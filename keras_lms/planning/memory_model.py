@@ -127,6 +127,9 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     handed = {call: at for t in timings for call, at in t.handed.items()}
     for sweep in planned:
         held_in_sweeps.update(facts.sweep_backward_bytes(calls, sweep, slabs, sizes_in, sizes_out))
+    # a pooling whose input gradient its activation's slab backward takes (a swept one's takes its sweep's pass)
+    folds = {p: a for p, (a, _) in facts.pooling_folds(calls, offloaded, slabs).items()
+             if p not in held_in_sweeps and a not in held_in_sweeps}
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
@@ -192,7 +195,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
                 hold(size, arrives(i), backward)
                 if key in sources:
                     _hold_recompute_inputs(sources[key], arrives(i), backward, arrives, hold)
-        if i in slabs and i not in held_in_sweeps and reads_inputs:  # its first windows land early (prefetch)
+        if i in slabs and i not in held_in_sweeps and i not in folds and reads_inputs:  # (prefetched windows)
             read = [size for key, size, off in zip(call.keys, sizes_in[i], offloaded[i]) if off and key not in sources]
             hold(facts.prefetched_slab_bytes(call, read, slabs[i]), arrives(i), backward - 1)
         # while its backward runs: the gradients of its outputs and inputs, the temporaries of its kind
@@ -223,6 +226,12 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             grads = facts.slab_backward_bytes(call, assembled, sizes_out[i], slabs[i])
         elif i in elided:
             grads = 0  # no gradient reaches a concatenation nobody reads
+        if i in folds:  # it holds its output gradient until its activation's backward, which reads it
+            grads = 0
+            hold(sum(sizes_out[i]), backward, positions - 1 - folds[i])
+        elif i in folds.values():  # one more window: the pooling recomputed and differentiated on it
+            pool = next(p for p, a in folds.items() if a == i)
+            grads += sum(sizes_in[pool]) // slabs[pool].count
         if i in chains and chains[i][1] is None:  # a short chain: its source's outputs recomputed on windows
             source = chains[i][0]
             grads += facts.short_chain_bytes(calls[source], sum(sizes_in[source]), slabs[source])
@@ -235,7 +244,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
             hold(timing.early_bytes, arrives(timing.first_pass), positions - 2 - timing.first_pass)
     if facts.gradients_wait_between_readers:
         _hold_waiting_gradients(calls, sizes_out, keys_out, positions, hold, facts.concatenate_gradient_is_view,
-                                facts.gradient_sum_allocated, frozenset().union(*(t.summed for t in timings)))
+                                facts.gradient_sum_allocated, frozenset().union(
+                                    *(t.summed for t in timings), *(calls[p].keys for p in folds)))
     if facts.weight_gradients_from_their_backward:
         _release_pending_weight_gradients(calls, positions, hold)
     for size, start, end in info.values():

@@ -48,6 +48,9 @@ class PlanEntry:
         sweep_folded: ``(pooling call, stride)`` when that sweep's first pass also takes the input gradient of
             the pooling that reads the run's output (``Sweep.folded``; its windows start on multiples of the
             stride); None otherwise.
+        folded_pooling: ``(pooling call, stride)`` when this activation's slab backward also takes the input
+            gradient of the pooling that reads its output, window by window, where no level sweep runs it
+            (TensorFlow's ``offload.tensorflow.pooling_folds``: its windows are the pooling's); None otherwise.
         parked_inputs: positions of this call's inputs that go to host memory right after it, for a far later
             reader that reads them from there a window of rows at a time (``BackendFacts.parked_inputs``: JAX's
             U-Net skips, read by the decoder's windowed convolution); empty: none.
@@ -81,6 +84,7 @@ class PlanEntry:
     sweep_windows: int | None = None
     sweep_held: tuple = ()
     sweep_folded: tuple | None = None
+    folded_pooling: tuple | None = None
     prefetch: int | None = None
     copy_back_lead: int | None = None
     parked_inputs: list = dataclasses.field(default_factory=list)
@@ -163,6 +167,7 @@ class CallDecision:
     sweep_windows: int | None = None  # PlanEntry.sweep_windows
     sweep_held: tuple = ()  # PlanEntry.sweep_held
     sweep_folded: tuple | None = None  # PlanEntry.sweep_folded
+    folded_pooling: tuple | None = None  # PlanEntry.folded_pooling
 
     @property
     def offloaded(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from keras_lms.planning.call_costs import call_cost
 from keras_lms.planning.memory_model import tensor_sizes
 from keras_lms.planning.plan import chosen_sweeps
 from keras_lms.planning.recompute import active_sources, expand_read
@@ -46,7 +47,8 @@ class LinkTraffic:
             backward spend recomputing windows of tensors that were not copied (``planning.recompute``).
         forward_after / backward_after: the calls whose copies out call i's forward / backward copies back read
             (a host copy can come back only once it has gone out: the step-time model waits for them).
-        swept_calls: the calls of the level sweeps the plan runs, whose backward recomputes no forward of its own
+        swept_calls: the calls of the level sweeps the plan runs and the folded poolings (``BackendFacts.
+            pooling_folds``), whose backward recomputes no forward of its own
             (their passes' recompute is in ``backward_recompute``).
     """
 
@@ -105,6 +107,9 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
                    for sweep in chosen_sweeps(facts, calls, offloaded, slabs, swept)]
     sweep_of = {s.first: s for s in sweep_costs}
     in_sweep = frozenset().union(*(s.members for s in sweep_costs))
+    # a pooling whose activation's slab backward takes its gradient reads nothing (the activation recomputes it)
+    folds = {p: a for p, (a, _) in facts.pooling_folds(calls, offloaded, slabs).items()
+             if p not in in_sweep and a not in in_sweep} if slabs else {}
     out, fwd_in, bwd_in = [0] * n, [0] * n, [0] * n
     work = {"fwd": [[0.0, 0.0] for _ in range(n)], "bwd": [[0.0, 0.0] for _ in range(n)]}
     pieces = [slabs[i].count if i in slabs else 1 for i in range(n)]
@@ -157,7 +162,11 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
             keep = (slab.passes - 1) / slab.passes if i in fused_sources else 1.0
             for key, _size in slab.copied:
                 first_offload.setdefault(key, i)
+            if i in folds:
+                work["bwd"][folds[i]][1] += call_cost(call, batch_size).forward_bytes
             for key, size, rows, windows, kind in slab.reads:
+                if kind == "bwd" and i in folds:
+                    continue
                 if kind == "bwd" and keep != 1.0:  # its first pass runs in the chain's convolution
                     rows, windows = rows * keep, max(1, round(windows * keep))
                 window_read(i, key, size, rows, windows, slab.length, kind)
@@ -206,4 +215,4 @@ def link_traffic(calls, offloaded, facts, batch_size: int = 1, slab_bytes: int =
     after = {kind: [tuple(sorted({first_offload[key] for key in keys})) for keys in per_call]
              for kind, per_call in reads_of.items()}
     return LinkTraffic(out, fwd_in, bwd_in, pieces, [tuple(w) for w in work["fwd"]],
-                       [tuple(w) for w in work["bwd"]], after["fwd"], after["bwd"], in_sweep)
+                       [tuple(w) for w in work["bwd"]], after["fwd"], after["bwd"], in_sweep | frozenset(folds))

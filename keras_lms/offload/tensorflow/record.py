@@ -60,3 +60,4 @@ class CallRecord:
     fused_moments: object = None  # a BatchNorm's first-pass totals (TotalMoments), taken in the chain's conv
     upsampling: tuple | None = None  # (scale, output rows): an up-sampler whose windows can be recomputed
     sweep: tuple | None = None  # (SweepRun, role, unit number): differentiated in a level sweep (sweep_calls)
+    pooling_fold: tuple | None = None  # (pooling record, its output gradient, stride): added in this backward

@@ -167,8 +167,13 @@ class SlabCalls(RecomputedWindows):
             if (host is None and record.chain is None) or record.n_outputs != 1:
                 return None
 
+            bounds = iter(plan.bounds)  # (one call per slab, in order)
+
             def differentiate(windows, dy_inputs, _):
+                s0, s1 = next(bounds)
                 with _on_device(device):
+                    if record.pooling_fold is not None:  # a folded pooling's share of the gradient (pooling_folds)
+                        dy_inputs = dy_inputs + self._pooling_rows(record, windows[0], s0, s1)
                     return [direct(windows[0], dy_inputs)], []
 
             if record.chain is not None:

@@ -13,6 +13,7 @@ from keras_lms.offload import common
 from keras_lms.offload.tensorflow import output_gradients, slabs
 from keras_lms.offload.tensorflow.devices import on_device as _on_device
 from keras_lms.offload.tensorflow.devices import validate_host_device
+from keras_lms.offload.tensorflow.pooling_fold_calls import PoolingFoldCalls
 from keras_lms.offload.tensorflow.recompute_scopes import capture_moments, reuse_moments, without_activation
 from keras_lms.offload.tensorflow.recomputed_copies import RecomputedCopy, usable_producer
 from keras_lms.offload.tensorflow.record import (
@@ -37,7 +38,7 @@ class _Reader(typing.NamedTuple):
     compute_device: str | None
 
 
-class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
+class StepContext(SweepCalls, PoolingFoldCalls, SlabCalls, common.InterceptingContext):
     """State of one forward pass of a wrapped model in training mode.
 
     Lives as long as the backward pass of that step needs it (the gradient functions close over it).
@@ -52,6 +53,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
         self.concat_parts = {}  # ref of a channel concatenation's output -> the tensors it concatenates
         self.produced_at = {}  # tensor ref -> index of the call that produced it (graph mode)
         self.folded_poolings = {}  # pooling call index -> the SweepRun whose pass A takes its input gradient
+        self.pooling_folds = {}  # pooling call index -> the activation record whose backward takes it
         self.chain_windows = {}  # (call index, a, b) -> a fused chain's windows, for its further gradients
         # calls whose outputs the plan recomputes in windows instead of copying (recomputed_copies)
         self.recomputed_producers = {entry.index for entry in plan if entry.recomputed_output}
@@ -184,6 +186,7 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
             record.kept = [None]
         self.records[index] = record
         self._check_folded_pooling(index, unit, tensors)
+        self._bind_pooling_fold(record, decision, tensors)
         forward = {}
 
         @tf.custom_gradient
@@ -287,6 +290,11 @@ class StepContext(SweepCalls, SlabCalls, common.InterceptingContext):
             trigger = self._trigger(record)
         if record.index in self.folded_poolings:
             return self._fold_into_sweep(self.folded_poolings[record.index], record, upstream[0])
+        if record.index in self.pooling_folds:
+            handed = self._hand_pooling_gradient(record, upstream[0])
+            if handed is not None:
+                return handed
+        self._check_pooling_fold_taken(record, upstream)
         if record.sweep is not None:
             return self._sweep_backward(record, upstream[0], trigger, foreign_variables)
         if record.fused_gradient is not None:

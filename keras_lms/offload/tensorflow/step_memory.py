@@ -35,7 +35,7 @@ import dataclasses
 
 import keras
 
-from keras_lms.offload.tensorflow import recompute_candidates, slab_chains, slab_costs, slab_plan, sweeps
+from keras_lms.offload.tensorflow import pooling_folds, recompute_candidates, slab_chains, slab_costs, slab_plan, sweeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.backend_facts import SweepTiming
@@ -80,7 +80,7 @@ def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         plan = plan_slabs(call.unit, shapes, sum(sizes), slab_bytes, outputs)
         if plan is not None:
             plans[i] = plan
-    return plans
+    return pooling_folds.aligned(calls, offloaded, plans)  # (a folding activation cut into its pooling's windows)
 
 
 def concatenation_parts(calls, batch_size: int) -> dict:
@@ -100,15 +100,8 @@ def concatenation_parts(calls, batch_size: int) -> dict:
 
 def elided_concatenations(calls, plans: dict, batch_size: int) -> dict:
     """Index of a concatenation that is never built -> the slab call that reads its parts instead."""
-    if not plans:
-        return {}
-    parts = concatenation_parts(calls, batch_size)
-    elided = {}
-    for i in plans:
-        call = calls[i]
-        if len(call.keys) == 1 and call.keys[0] in parts:
-            elided[parts[call.keys[0]][0]] = i
-    return elided
+    parts = concatenation_parts(calls, batch_size) if plans else {}
+    return {parts[calls[i].keys[0]][0]: i for i in plans if len(calls[i].keys) == 1 and calls[i].keys[0] in parts}
 
 
 def _compute_ratio(dtype: str) -> float:
@@ -362,6 +355,9 @@ class TensorFlowFacts(BackendFacts):
 
     def slab_sweeps(self, calls, offloaded, slabs: dict) -> list:
         return sweeps.level_sweeps(calls, offloaded, slabs, self)
+
+    def pooling_folds(self, calls, offloaded, slabs: dict) -> dict:
+        return pooling_folds.pooling_folds(calls, offloaded, slabs)
 
     def forced_sweeps(self) -> bool:
         return sweeps.FORCED

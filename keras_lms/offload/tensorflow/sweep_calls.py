@@ -13,6 +13,7 @@ from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
 from keras_lms.offload.tensorflow import output_gradients, slabs, sweeps
 from keras_lms.offload.tensorflow.devices import on_device
+from keras_lms.offload.tensorflow.pooling_fold_calls import pooling_input_gradient
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments
 from keras_lms.offload.tensorflow.sweeps import sweep_bounds
 
@@ -159,10 +160,7 @@ class SweepCalls:
             raise RuntimeError("keras-lms: the level sweep's first pass ran before the folded pooling's backward; "
                                "set keras_lms.offload.tensorflow.sweeps.FOLD_POOLING = False")
         pooling, dy = run.pooling
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(r)
-            y = tf.nest.flatten(self._slab_call(pooling, [r], pooling.trainable)[0])[0]
-        return tape.gradient(y, r, output_gradients=slabs.rows(dy, s0 // run.align, s1 // run.align))
+        return pooling_input_gradient(self, pooling, r, slabs.rows(dy, s0 // run.align, s1 // run.align))
 
     @staticmethod
     def _hand_on_gradient(run, j, pieces) -> None:
