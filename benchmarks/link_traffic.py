@@ -51,7 +51,8 @@ def cases() -> list:
     (slab_plan.EXACT_ROWS: every slab convolves its whole window "same" and crops, the control of slab_rows);
     "no sweeps" offers the time-aware planner no level sweep (sweeps.ENABLED), the control of sweeps; "swept" and
     "swept, held" sweep every run, the second holding its convolution outputs between the passes; "pooling not
-    folded" differentiates the skip's max pooling itself (sweeps.FOLD_POOLING), the control of the fold. (The 2D
+    folded" differentiates the skip's max pooling itself (sweeps.FOLD_POOLING, or pooling_folds.ENABLED where no
+    level is swept), the control of the fold. (The 2D
     U-Net's whole case and its controls, unfused, halo rows convolved and no sweeps, left in session 26 for CI's
     time: they agreed with the 3D ones, docs/benchmarks.md.)"""
     unet3d = lambda: unet((32, 32, 32, 1), 4, levels=2)  # noqa: E731
@@ -74,7 +75,10 @@ def cases() -> list:
             ("3D U-Net 1x32^3, slabs of 64 KiB, swept", unet3d, 1, slabs3d, True, True, True, False),
             ("3D U-Net 1x32^3, slabs of 64 KiB, swept, held", unet3d, 1, slabs3d, True, True, True, True),
             ("3D U-Net 1x32^3, slabs of 64 KiB, swept, pooling not folded", unet3d, 1, slabs3d, True, True, True,
-             False, False)]
+             False, False),
+            # not swept (no profile): the skip's pooling folded into its ReLU's slab backward, and the control
+            ("3D U-Net 1x32^3, slabs of 64 KiB, fused chains, pooling not folded", unet3d, 1, slabs3d, True, True,
+             True, None, True, False)]
 
 
 def large_cases(edge: int, profile: str, device_budget: str = "16GiB") -> list:
@@ -99,15 +103,16 @@ def _plain_simulation(builder, batch, model, x_shape, y_shape):
     return _PLAIN[key]
 
 
-def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held=None, fold=True) -> dict:
-    from keras_lms.offload.tensorflow import slab_chains, slab_plan, sweeps
+def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held=None, fold=True,
+            pooling_fold=True) -> dict:
+    from keras_lms.offload.tensorflow import pooling_folds, slab_chains, slab_plan, sweeps
 
     model = build(builder)
     x_shape, y_shape = shapes(model, batch)
     plain = _plain_simulation(builder, batch, model, x_shape, y_shape)
     slab_chains.ENABLED = fused  # read when the wrapped model plans (below) and when the report plans
     slab_plan.EXACT_ROWS = exact
-    sweeps.ENABLED, sweeps.FOLD_POOLING = sweep, fold
+    sweeps.ENABLED, sweeps.FOLD_POOLING, pooling_folds.ENABLED = sweep, fold, pooling_fold
     if held is not None:  # every sweep forced, its units held or not
         sweeps.FORCED, sweeps.HELD_FORCED = True, held
     try:
@@ -116,7 +121,7 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held
         # timed on a profile only to read the plan's own recompute FLOPs (a wrapped model's plan is kept as is)
         rep = keras_lms.report(wrapped, batch_size=batch, input_shape=x_shape[1:], device_profile=TIMING_PROFILE)
     finally:
-        slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = sweeps.FOLD_POOLING = True
+        slab_chains.ENABLED = slab_plan.EXACT_ROWS = sweeps.ENABLED = sweeps.FOLD_POOLING = pooling_folds.ENABLED = True
         sweeps.FORCED = sweeps.HELD_FORCED = False
     old = rep.totals["host_bytes_per_step"] + sum(r["offloaded_bytes"] for r in rep.rows)
     return dict(case=label,
@@ -132,6 +137,8 @@ def measure(label, builder, batch, settings, fused, exact=True, sweep=True, held
                          and e.index == e.sweep[0]),
                 folded=sum(1 for e in wrapped.lms_plan or wrapped.plan(batch) if e.sweep_folded
                            and e.index == e.sweep[0]),
+                pooling_folds=sum(1 for e in wrapped.lms_plan or wrapped.plan(batch) if e.folded_pooling
+                                  and e.sweep is None),
                 peak=sim.peak_bytes, report_peak=rep.totals["predicted_peak_bytes_wrapped"],
                 report_recompute_flops=rep.times["as planned"].recompute_flops,
                 measured_recompute_flops=sim.conv_flops - plain.conv_flops, plain_conv_flops=plain.conv_flops,

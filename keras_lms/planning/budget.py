@@ -15,7 +15,7 @@ import dataclasses
 import logging
 
 from keras_lms.config import format_bytes
-from keras_lms.planning import rules
+from keras_lms.planning import rules, sweep_plan
 from keras_lms.planning.budget_fit import BudgetError, fit_budget
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
@@ -378,8 +378,7 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
     chains = facts.fused_slab_chains(calls, offloaded_rows, plans)
     fused_sources = {source for source, _ in chains.values()}
-    for pool, (act, stride) in facts.pooling_folds(calls, offloaded_rows, plans).items():
-        entries[act].folded_pooling = (pool, stride)  # (the executor runs it where no level sweep does)
+    sweep_plan.note_pooling_folds(calls, entries, facts.pooling_folds(calls, offloaded_rows, plans))
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
         if plan.moments and i not in fused_sources:  # say why its copy comes back twice

@@ -141,11 +141,29 @@ def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
                 entries[i].sweep_folded = (sweep.folded, sweep.align) if sweep.folded is not None else None
                 entries[i].reason += _note(calls, sweep, windows, held, why)
         if sweep.folded is not None:
-            note = (f"; its input gradient is taken in {calls[sweep.units[-1][2]].unit.name}'s level sweep, window "
+            act = sweep.units[-1][2]
+            note = (f"; its input gradient is taken in {calls[act].unit.name}'s level sweep, window "
                     "by window (no windows of its own read back)")
-            entries[sweep.folded].reason = entries[sweep.folded].reason.replace(note, "")
+            own = pooling_fold_note(calls, act)  # (the fold where the level is not swept)
+            entries[sweep.folded].reason = entries[sweep.folded].reason.replace(note, "").replace(own, "")
             if sweep.first in chosen:
                 entries[sweep.folded].reason += note
+            elif entries[act].folded_pooling is not None:
+                entries[sweep.folded].reason += own
+
+
+def note_pooling_folds(calls, entries, folds: dict) -> None:
+    """Record the back end's pooling folds (``BackendFacts.pooling_folds``: pooling -> (activation, stride)) on
+    the activations' entries (``PlanEntry.folded_pooling``, which the step reads) and say so in the poolings'
+    reasons; a level sweep of the activation chosen later takes the fold over (``_mark_sweeps``)."""
+    for pool, (act, stride) in folds.items():
+        entries[act].folded_pooling = (pool, stride)
+        entries[pool].reason += pooling_fold_note(calls, act)
+
+
+def pooling_fold_note(calls, act: int) -> str:
+    return (f"; its input gradient is taken in {calls[act].unit.name}'s slab backward, window by window (no "
+            "windows of its own read back)")
 
 
 def _note(calls, sweep, windows: int, held: tuple, why: str) -> str:

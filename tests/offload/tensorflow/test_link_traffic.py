@@ -164,3 +164,19 @@ def test_the_skip_poolings_gradient_taken_in_the_sweep_reads_no_windows_of_its_o
     assert folded["measured_in"] < control["measured_in"], (folded["measured_in"], control["measured_in"])
     assert folded["report_in"] < control["report_in"]
     assert folded["peak"] <= control["peak"], (folded["peak"], control["peak"])
+
+
+def test_the_skip_poolings_gradient_taken_in_its_activations_backward_brings_nothing_back(rows):
+    """``pooling_folds`` where no level is swept, against its control (``pooling_folds.ENABLED = False``): the
+    max pooling hands its output gradient to the skip ReLU's slab backward, so its own backward brings no windows
+    back (one skip-sized tensor less over the link in the executed graph) and no whole input gradient or sum of
+    the skip's parts is built (the executed peak is no higher); the report follows (within 10%: above)."""
+    by_case = {r["case"]: r for r in rows}
+    folded = by_case["3D U-Net 1x32^3, slabs of 64 KiB, fused chains"]
+    control = by_case["3D U-Net 1x32^3, slabs of 64 KiB, fused chains, pooling not folded"]
+    assert folded["pooling_folds"] == 2 and control["pooling_folds"] == 0, (folded, control)
+    skip = 32 ** 3 * 4 * 4 + 16 ** 3 * 8 * 4  # the two skip ReLUs' outputs (float32; measured: exactly this)
+    saved = control["measured_in"] - folded["measured_in"]
+    assert saved == pytest.approx(skip, rel=0.15), (saved, skip)
+    assert control["report_in"] - folded["report_in"] == pytest.approx(saved, rel=0.15)
+    assert folded["peak"] <= control["peak"], (folded["peak"], control["peak"])

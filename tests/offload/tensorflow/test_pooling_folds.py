@@ -60,6 +60,7 @@ def test_the_skip_poolings_gradient_is_taken_in_its_activations_backward(dtype_p
         assert len(folded) == 1, folded
         (act, (pool, stride)), = folded.items()
         assert plan[act].layer_class == "ReLU" and plan[pool].layer_class == "MaxPooling2D" and stride == 2
+        assert f"taken in {plan[act].layer}'s slab backward" in plan[pool].reason
         assert seen["handed"] == 1 and seen["windows"] >= 2, seen
     else:
         assert not folded and not seen, (folded, seen)
@@ -111,6 +112,8 @@ def test_a_swept_level_folds_in_its_sweep_not_in_its_activation(monkeypatch):
     plan = wrapped.plan(batch_size=4)
     swept = [e for e in plan if e.sweep_folded]
     assert swept, "the forced sweep folds the pooling"
+    pool = swept[0].sweep_folded[0]
+    assert "level sweep" in plan[pool].reason and "slab backward" not in plan[pool].reason
     seen = collections.Counter()
     hand = pooling_fold_calls.PoolingFoldCalls._hand_pooling_gradient
     monkeypatch.setattr(pooling_fold_calls.PoolingFoldCalls, "_hand_pooling_gradient",
