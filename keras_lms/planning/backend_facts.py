@@ -255,6 +255,12 @@ class BackendFacts:
         ``offload.tensorflow.pooling_folds``; none here). Callers drop the folds of swept calls."""
         return {}
 
+    def room_for_keeps(self, calls, batch_size: int, device_budget) -> bool:
+        """Whether the budget planner may keep offloaded calls on the device (its keep search): TensorFlow's
+        grappler swaps by itself where kept calls push its own estimate of the step over the GPU's memory
+        (``offload.tensorflow.grappler_estimate``); always here."""
+        return True
+
     def forced_sweeps(self) -> bool:
         """Whether every candidate of ``slab_sweeps`` is swept whatever the profile (a test switch)."""
         return False

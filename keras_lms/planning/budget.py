@@ -167,6 +167,7 @@ def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     if config.device_profile is None or config.device_budget is None:
         return entries
     settings = (config, facts, batch_size, static_bytes, update_bytes)
+    keep = keep and facts.room_for_keeps(calls, batch_size, config.device_budget)  # (grappler's own swaps)
     kept, searched = _use_room(calls, decisions, entries, *settings, keep=keep, unswept=unswept)
     if not searched:
         return kept

@@ -36,6 +36,7 @@ import dataclasses
 import keras
 
 from keras_lms.offload.tensorflow import pooling_folds, recompute_candidates, slab_chains, slab_costs, slab_plan, sweeps
+from keras_lms.offload.tensorflow.grappler_estimate import room_for_keeps
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.backend_facts import SweepTiming
@@ -358,6 +359,9 @@ class TensorFlowFacts(BackendFacts):
 
     def pooling_folds(self, calls, offloaded, slabs: dict) -> dict:
         return pooling_folds.pooling_folds(calls, offloaded, slabs)
+
+    def room_for_keeps(self, calls, batch_size: int, device_budget) -> bool:
+        return room_for_keeps(calls, batch_size, device_budget)
 
     def forced_sweeps(self) -> bool:
         return sweeps.FORCED

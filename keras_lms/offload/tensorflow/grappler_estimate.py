@@ -1,0 +1,32 @@
+"""Where keeping tensors on the device makes grappler swap by itself: a bound from its estimate's shape.
+
+On a GPU, grappler's memory optimizer estimates the step's peak from the graph it optimises and inserts swaps of
+its own (``_CopyFromGpuToHost`` / ``_CopyFromHostToGpu`` pairs) where the estimate exceeds the device's memory. At
+the volumes users come for its estimate peaks at the top of the backward, where it counts about four tensors of
+the largest size at once (the last activation's output and gradient, the head's input gradient and that
+gradient's slab pieces or layout fence: docs/design.md, "A budget the starts refuse"), about 2.5 GiB over the
+executed peak at 400^3 float32 and 496^3 mixed_float16, and every call kept on the device is live there too.
+Measured with ``benchmarks/simulated_gpu_peak.py --like-for-like`` on 16 GiB plans: with the keep search, 400^3
+float32 and 496^3 mixed_float16 (four largest tensors 15.3 and 14.6 GiB) made grappler estimate 16.8-17.8 GiB and
+swap 28-56 GiB each way; 384^3 float32 and 448^3 mixed_float16 (13.5 and 10.7 GiB) kept calls and it swapped
+nothing. So the keep search runs only where four of the largest tensors fit the budget with the planner's margin.
+"""
+
+from __future__ import annotations
+
+from keras_lms.planning import layer_facts
+from keras_lms.planning.memory_model import BUDGET_MARGIN, tensor_sizes
+
+# Tensors of the largest size that grappler's estimate counts at once at the top of the backward.
+TOP_OF_BACKWARD_TENSORS = 4
+
+
+def room_for_keeps(calls, batch_size: int, device_budget) -> bool:
+    """Whether calls kept on the device leave grappler's estimate below ``device_budget`` (module docstring)."""
+    if device_budget is None or not calls:
+        return True
+    _, sizes_out, _ = tensor_sizes(calls, batch_size)
+    # (a channel concatenation read in slabs is never built: its parts are the tensors)
+    largest = max((size for call, sizes in zip(calls, sizes_out) for size in sizes
+                   if not layer_facts.is_keras_class(call.unit, {"Concatenate"})), default=0)
+    return TOP_OF_BACKWARD_TENSORS * largest * BUDGET_MARGIN <= device_budget
