@@ -16,15 +16,21 @@ class PoolingFoldCalls:
     """Binds, checks and runs the folds the plan names (``PlanEntry.folded_pooling`` on the activation's entry;
     a mixin of ``StepContext``: it reads the context's ``records``, ``host_copies`` and ``_slab_call``)."""
 
+    @staticmethod
+    def _aligned_for_fold(decision, plan):
+        """An activation the plan folds a pooling into is cut into the pooling's windows, as the planner's
+        ``slab_plans`` cut it (``pooling_folds.aligned``), swept or not."""
+        if getattr(decision, "folded_pooling", None) and plan is not None:
+            return pooling_folds.aligned_plan(plan, decision.folded_pooling[1])
+        return plan
+
     def _bind_pooling_fold(self, record, decision, tensors) -> None:
-        """At an offloaded call's forward: an activation the plan folds a pooling into is cut into the pooling's
-        windows and waits for it (not where a level sweep differentiates it: the sweep folds the pooling); a
-        pooling that was waited for must read that activation's output alone, in the same windows, else its own
-        backward takes its gradient (with a warning: the plan's memory was predicted for the fold)."""
+        """At an offloaded call's forward: an activation the plan folds a pooling into waits for it (not where a
+        level sweep differentiates it: the sweep folds the pooling); a pooling that was waited for must read
+        that activation's output alone, in the same windows, else its own backward takes its gradient (with a
+        warning: the plan's memory was predicted for the fold)."""
         if getattr(decision, "folded_pooling", None) and decision.sweep is None and record.slabs is not None:
-            pool, stride = decision.folded_pooling
-            record.slabs = pooling_folds.aligned_plan(record.slabs, stride)
-            self.pooling_folds[pool] = record
+            self.pooling_folds[decision.folded_pooling[0]] = record
         act = self.pooling_folds.get(record.index)
         if act is None:
             return
