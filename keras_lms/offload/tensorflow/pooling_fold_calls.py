@@ -7,7 +7,7 @@ import logging
 
 import tensorflow as tf
 
-from keras_lms.offload.tensorflow import pooling_folds, slabs
+from keras_lms.offload.tensorflow import output_gradients, pooling_folds, slabs
 
 log = logging.getLogger("keras_lms")
 
@@ -44,6 +44,7 @@ class PoolingFoldCalls:
         """Whether the activation's slab backward can take the pooling's gradient (``SlabCalls._slab_backward``'s
         window path: its output's host copy, or a short chain's windows, and one output)."""
         return (act.slabs is not None and act.n_outputs == 1 and len(act.hosts) == 1 and not act.trainable
+                and output_gradients.input_gradient_from_output(act.unit) is not None
                 and (act.chain is not None or self.host_copies.get(act.output_key) is not None))
 
     def _hand_pooling_gradient(self, record, dy):

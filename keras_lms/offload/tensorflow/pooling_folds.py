@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_lms.offload.tensorflow import sweeps
+from keras_lms.offload.tensorflow import output_gradients, sweeps
 from keras_lms.offload.tensorflow.slab_plan import slab_bounds
-from keras_lms.planning import layer_facts
 from keras_lms.planning.plan import call_graph
 
 ENABLED = True
@@ -44,7 +43,8 @@ def pooling_folds(calls, offloaded, slabs: dict) -> dict:
     folds = {}
     for act, plan in slabs.items():
         call = calls[act]
-        if (layer_facts.standalone_activation(call.unit) is None or getattr(call.unit, "trainable_variables", None)
+        if (output_gradients.input_gradient_from_output(call.unit) is None  # (its slab backward's window path)
+                or getattr(call.unit, "trainable_variables", None)
                 or len(call.keys) != 1 or len(call.output_keys) != 1 or plan.moments or plan.halo):
             continue
         found = sweeps.folded_pooling(calls, act, offloaded, consumers, plan.length)

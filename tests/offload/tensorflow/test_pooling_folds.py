@@ -145,3 +145,21 @@ def test_the_planners_models_drop_the_poolings_copy_back_and_its_sum(monkeypatch
     assert saved == pytest.approx(skip, rel=0.01), (saved, skip)
     assert reports[True].wrapped.peak_bytes <= reports[False].wrapped.peak_bytes
     assert any(summed), "the folded pooling's keys are summed window by window"
+
+
+def test_no_fold_for_an_activation_differentiated_from_its_input():
+    """GELU's gradient needs its input, not its output: its slab backward has no window path to add the
+    pooling's share to, so the planner folds nothing there and the pooling differentiates itself (exact)."""
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 1))
+    skip = layers.Activation("gelu")(layers.BatchNormalization()(layers.Conv2D(4, 3, padding="same")(inp)))
+    x = layers.ReLU()(layers.Conv2D(8, 3, padding="same")(layers.MaxPooling2D()(skip)))
+    x = layers.Conv2DTranspose(4, 2, strides=2, padding="same")(x)
+    x = layers.ReLU()(layers.Conv2D(4, 3, padding="same")(layers.Concatenate()([x, skip])))
+    model = keras.Model(inp, layers.Conv2D(1, 1)(x))
+    wrapped = _wrapped(model)
+    plan = wrapped.plan(batch_size=4)
+    assert any("slabs" in e.reason for e in plan) and not any(e.folded_pooling for e in plan)
+    result = compare_step(model, wrapped, X)
+    assert max(result["grads"].values()) <= SLAB_TOL, result
