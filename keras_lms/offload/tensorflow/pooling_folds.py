@@ -24,26 +24,26 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_lms.offload.tensorflow import output_gradients, sweeps
+from keras_lms.offload.tensorflow import sweeps
 from keras_lms.offload.tensorflow.slab_plan import slab_bounds
 from keras_lms.planning.plan import call_graph
 
 ENABLED = True
 
 
-def pooling_folds(calls, offloaded, slabs: dict) -> dict:
+def pooling_folds(calls, offloaded, slabs: dict, facts) -> dict:
     """Pooling call index -> ``(activation call index, stride)`` for every fold this step can make (module
     docstring): the activation is slab-computed, weightless and differentiated from its output, its output's
     readers are a tiling pooling and a concatenation (``sweeps.folded_pooling``), and the pooling is cut into as
     many slabs over the same rows. A level sweep of the activation folds the pooling itself; the caller drops
-    those (``unswept``)."""
+    those. ``facts``: the back end's ``TensorFlowFacts``."""
     if not ENABLED or not slabs:
         return {}
     _, consumers = call_graph(calls)
     folds = {}
     for act, plan in slabs.items():
         call = calls[act]
-        if (output_gradients.input_gradient_from_output(call.unit) is None  # (its slab backward's window path)
+        if (facts.output_gradient_activation(call.unit) is None  # (its slab backward's window path)
                 or getattr(call.unit, "trainable_variables", None)
                 or len(call.keys) != 1 or len(call.output_keys) != 1 or plan.moments or plan.halo):
             continue
@@ -57,14 +57,9 @@ def pooling_folds(calls, offloaded, slabs: dict) -> dict:
     return folds
 
 
-def unswept(folds: dict, sweep_members) -> dict:
-    """``folds`` without those whose activation or pooling a level sweep differentiates (its own fold)."""
-    return {p: (a, k) for p, (a, k) in folds.items() if a not in sweep_members and p not in sweep_members}
-
-
-def aligned(calls, offloaded, slabs: dict) -> dict:
+def aligned(calls, offloaded, slabs: dict, facts) -> dict:
     """``slabs`` with each folding activation cut into its pooling's windows (``pooling_folds``)."""
-    for pool, (act, _) in pooling_folds(calls, offloaded, slabs).items():
+    for pool, (act, _) in pooling_folds(calls, offloaded, slabs, facts).items():
         slabs[act] = aligned_plan(slabs[act], slabs[pool].stride)
     return slabs
 

@@ -81,7 +81,7 @@ def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         plan = plan_slabs(call.unit, shapes, sum(sizes), slab_bytes, outputs)
         if plan is not None:
             plans[i] = plan
-    return pooling_folds.aligned(calls, offloaded, plans)  # (a folding activation cut into its pooling's windows)
+    return pooling_folds.aligned(calls, offloaded, plans, FACTS)  # (a folding activation: its pooling's windows)
 
 
 def concatenation_parts(calls, batch_size: int) -> dict:
@@ -358,7 +358,7 @@ class TensorFlowFacts(BackendFacts):
         return sweeps.level_sweeps(calls, offloaded, slabs, self)
 
     def pooling_folds(self, calls, offloaded, slabs: dict) -> dict:
-        return pooling_folds.pooling_folds(calls, offloaded, slabs)
+        return pooling_folds.pooling_folds(calls, offloaded, slabs, self)
 
     def room_for_keeps(self, calls, batch_size: int, device_budget) -> bool:
         return room_for_keeps(calls, batch_size, device_budget)
