@@ -130,6 +130,7 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
     # a pooling whose input gradient its activation's slab backward takes (a swept one's takes its sweep's pass)
     folds = {p: a for p, (a, _) in facts.pooling_folds(calls, offloaded, slabs).items()
              if p not in held_in_sweeps and a not in held_in_sweeps}
+    folded_into = {a: p for p, a in folds.items()}
     info = {}  # key -> [size, first position on the device, last position (None: not consumed by a call)]
     for i, (keys, sizes) in enumerate(zip(keys_out, sizes_out)):
         for key, size in zip(keys, sizes):
@@ -229,9 +230,8 @@ def simulate(calls, offloaded, facts, batch_size: int = 1, prefetch: int = 1, st
         if i in folds:  # it holds its output gradient until its activation's backward, which reads it
             grads = 0
             hold(sum(sizes_out[i]), backward, positions - 1 - folds[i])
-        elif i in folds.values():  # one more window: the pooling recomputed and differentiated on it
-            pool = next(p for p, a in folds.items() if a == i)
-            grads += sum(sizes_in[pool]) // slabs[pool].count
+        elif i in folded_into:  # one more window: the pooling recomputed and differentiated on it
+            grads += sum(sizes_in[folded_into[i]]) // slabs[folded_into[i]].count
         if i in chains and chains[i][1] is None:  # a short chain: its source's outputs recomputed on windows
             source = chains[i][0]
             grads += facts.short_chain_bytes(calls[source], sum(sizes_in[source]), slabs[source])

@@ -7,14 +7,15 @@ import logging
 
 import tensorflow as tf
 
-from keras_lms.offload.tensorflow import output_gradients, pooling_folds, slabs
+from keras_lms.offload.tensorflow import pooling_folds, slabs
 
 log = logging.getLogger("keras_lms")
 
 
 class PoolingFoldCalls:
     """Binds, checks and runs the folds the plan names (``PlanEntry.folded_pooling`` on the activation's entry;
-    a mixin of ``StepContext``: it reads the context's ``records``, ``host_copies`` and ``_slab_call``)."""
+    a mixin of ``StepContext``: it reads the context's ``records``, ``_slab_call`` and ``SlabCalls``'s
+    window-path checks)."""
 
     @staticmethod
     def _aligned_for_fold(decision, plan):
@@ -34,8 +35,8 @@ class PoolingFoldCalls:
         act = self.pooling_folds.get(record.index)
         if act is None:
             return
-        if (len(tensors) != 1 or act.output_key is None or tensors[0].ref() != act.output_key
-                or record.slabs is None or record.slabs.bounds != act.slabs.bounds):
+        if (not reads_output_alone(tensors, act) or record.slabs is None
+                or record.slabs.bounds != act.slabs.bounds):
             log.warning("keras-lms: %r does not read %r's output in its windows as planned; its gradient is taken "
                         "by its own backward, not the activation's.", record.unit.name, act.unit.name)
             del self.pooling_folds[record.index]
@@ -43,9 +44,8 @@ class PoolingFoldCalls:
     def _foldable(self, act) -> bool:
         """Whether the activation's slab backward can take the pooling's gradient (``SlabCalls._slab_backward``'s
         window path: its output's host copy, or a short chain's windows, and one output)."""
-        return (act.slabs is not None and act.n_outputs == 1 and len(act.hosts) == 1 and not act.trainable
-                and output_gradients.input_gradient_from_output(act.unit) is not None
-                and (act.chain is not None or self.host_copies.get(act.output_key) is not None))
+        return (act.slabs is not None and self._output_gradient_kernel(act) is not None
+                and self._reads_output_windows(act))
 
     def _hand_pooling_gradient(self, record, dy):
         """A folded pooling's backward: its output gradient handed to the activation's record, no input gradient
@@ -71,6 +71,11 @@ class PoolingFoldCalls:
             raise RuntimeError(f"keras-lms: {record.unit.name!r} holds a folded pooling's gradient but has no "
                                "gradient of its own to add it to; set "
                                "keras_lms.offload.tensorflow.pooling_folds.ENABLED = False")
+
+
+def reads_output_alone(tensors, record) -> bool:
+    """Whether a call's tensor inputs are exactly ``record``'s (first) output (a folded pooling's check)."""
+    return len(tensors) == 1 and record.output_key is not None and tensors[0].ref() == record.output_key
 
 
 def pooling_input_gradient(context, pooling, r, dy_rows):

@@ -155,17 +155,30 @@ class SlabCalls(RecomputedWindows):
         with _on_device(record.compute_device):
             return tf.identity(staged, name=name)
 
+    @staticmethod
+    def _output_gradient_kernel(record):
+        """A weightless activation's output-based gradient (``output_gradients``) when it has one input, else
+        None: the calls whose slab backward reads only their output's windows."""
+        direct = output_gradients.input_gradient_from_output(record.unit)
+        return direct if direct is not None and len(record.hosts) == 1 and not record.trainable else None
+
+    def _reads_output_windows(self, record) -> bool:
+        """Whether such a call's one output can be read in windows: its host copy, or a fused chain's windows
+        recomputed from its BatchNorm's input copy (slab_chains)."""
+        return record.n_outputs == 1 and (record.chain is not None
+                                          or self.host_copies.get(record.output_key) is not None)
+
     def _slab_backward(self, record, dy, trigger, foreign_variables):
         """The backward of a slab-computed call (slabs.backward), or None to differentiate it whole."""
-        unit, plan, device = record.unit, record.slabs, record.compute_device
-        direct = output_gradients.input_gradient_from_output(unit)
-        if direct is not None and len(record.hosts) == 1 and not record.trainable and foreign_variables is None:
+        plan, device = record.slabs, record.compute_device
+        direct = self._output_gradient_kernel(record)
+        if direct is not None and foreign_variables is None:
             # An activation whose gradient reads its output: windows of the output's host copy (else whole), or,
             # after a BatchNorm it fuses with (slab_chains), its output recomputed from the BatchNorm input's
             # windows, which also give BatchNorm's first backward pass.
-            host = self.host_copies.get(record.output_key)
-            if (host is None and record.chain is None) or record.n_outputs != 1:
+            if not self._reads_output_windows(record):
                 return None
+            host = self.host_copies.get(record.output_key)
 
             bounds = iter(plan.bounds)  # (one call per slab, in order)
 

@@ -13,7 +13,7 @@ from keras_lms import _keras_adapter as adapter
 from keras_lms.offload import common
 from keras_lms.offload.tensorflow import output_gradients, slabs, sweeps
 from keras_lms.offload.tensorflow.devices import on_device
-from keras_lms.offload.tensorflow.pooling_fold_calls import pooling_input_gradient
+from keras_lms.offload.tensorflow.pooling_fold_calls import pooling_input_gradient, reads_output_alone
 from keras_lms.offload.tensorflow.recompute_scopes import TotalMoments
 from keras_lms.offload.tensorflow.sweeps import sweep_bounds
 
@@ -86,7 +86,7 @@ class SweepCalls:
         if run is None:
             return
         act = run.units[-1][2]
-        if len(tensors) != 1 or act.output_key is None or tensors[0].ref() != act.output_key:
+        if not reads_output_alone(tensors, act):
             log.warning("keras-lms: %r does not read %r's output as planned; its gradient is taken by its own "
                         "backward, not the level sweep's first pass.", unit.name, act.unit.name)
             del self.folded_poolings[index]
