@@ -108,7 +108,7 @@ def _edit_every_plan(monkeypatch, edit) -> None:
 @pytest.fixture
 def planned_prefetch(monkeypatch):
     """``planned_prefetch(depth)``: every plan made afterwards says copies back start ``depth`` calls ahead
-    (``PlanEntry.prefetch``), as the time-aware planner (``planning.budget._plan_prefetch``) may choose: for the
+    (``PlanEntry.prefetch``), as the time-aware planner (``planning.prefetch_plan.plan_prefetch``) may choose: for the
     back ends' tests that the step runs the plan's depth, not ``LMSConfig.prefetch``."""
 
     def plan_with(depth: int) -> None:

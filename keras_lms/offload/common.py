@@ -47,7 +47,7 @@ def planned_decision(ctx, index, unit, sizes, ranks, offloadable):
     if entry is not None and entry.layer == unit.name and len(entry.tensor_offloaded) == len(sizes):
         return CallDecision(list(entry.tensor_offloaded), entry.reason, entry.slab_bytes, entry.recompute_from,
                             entry.sweep, entry.sweep_windows, entry.sweep_held, entry.sweep_folded,
-                            entry.folded_pooling)
+                            entry.folded_pooling, entry.slab_align)
     if not ctx.mismatch_warned:
         ctx.mismatch_warned = True
         log.warning(

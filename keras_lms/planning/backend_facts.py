@@ -255,6 +255,12 @@ class BackendFacts:
         ``offload.tensorflow.pooling_folds``; none here). Callers drop the folds of swept calls."""
         return {}
 
+    def slab_alignments(self, calls, offloaded, slabs: dict) -> dict:
+        """Call index -> the row multiple its slab windows start on where the back end aligns them (TensorFlow:
+        a folding activation and its BatchNorm on the pooling's stride, ``pooling_folds.alignments``; the
+        step reads it from ``PlanEntry.slab_align``); none here."""
+        return {}
+
     def room_for_keeps(self, calls, batch_size: int, device_budget) -> bool:
         """Whether the budget planner may keep offloaded calls on the device (its keep search): TensorFlow's
         grappler swaps by itself where kept calls push its own estimate of the step over the GPU's memory

@@ -16,7 +16,7 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules, sweep_plan
-from keras_lms.planning.budget_fit import BudgetError, fit_budget
+from keras_lms.planning.budget_fit import BudgetError, budget_start, fit_budget
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
 from keras_lms.planning.memory_model import BUDGET_MARGIN
@@ -28,6 +28,7 @@ from keras_lms.planning.plan import (
     tensor_bytes,
 )
 from keras_lms.planning.plan_measures import fits_budget, plan_memory, plan_seconds
+from keras_lms.planning.prefetch_plan import plan_prefetch
 from keras_lms.planning.recompute import choose_recomputed, recomputed_producers
 from keras_lms.planning.source_offload import offload_sources
 from keras_lms.planning.sweep_plan import note_swept_host_bytes, plan_sweep_windows, plan_sweeps, refine_sweeps
@@ -60,16 +61,43 @@ def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     everything computes in windows and recomputes cheaply what the other copies; which is faster depends on the
     room and the link (on H100-PCIe5 the 384^3 float32 3D U-Net at 40 GiB: 4.1x the plain step from the fewest
     offloads, 1.7x from all), and choosing one alone made a larger budget give a much slower plan (the first is
-    kept where they tie)."""
-    fewest = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
-    plan = _finish_plan(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
-    if (config.device_profile is None or not any(f.offloaded for f in fewest)  # (the step fits as it is)
-            or all(list(f.offload_tensor) == list(d.offload_tensor) for f, d in zip(fewest, decisions) if d.offloaded)):
+    kept where they tie). Each is finished at its slab size and at the sizes that tie with it
+    (``_finish_ties``)."""
+    fewest = budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    plan = _finish_ties(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
+    if (config.device_profile is None or not any(f.offloaded for f in fewest.decisions)  # (the step fits as it is)
+            or all(list(f.offload_tensor) == list(d.offload_tensor)
+                   for f, d in zip(fewest.decisions, decisions) if d.offloaded)):
         return plan  # (every eligible tensor is offloaded already: the same start)
-    every = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
-    other = _finish_plan(calls, every, config, facts, batch_size, static_bytes, update_bytes)
+    every = budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
+    other = _finish_ties(calls, every, config, facts, batch_size, static_bytes, update_bytes)
     return _faster(calls, plan, other, config, facts, batch_size,
                    "from every eligible tensor offloaded, not the fewest offloads that fit")
+
+
+def _finish_ties(calls, start, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> list:
+    """A budget start (``budget_fit.BudgetStart``) finished at its slab size, or at a size whose corner step ties
+    with it (``slab_choice.SLAB_TIE``) where that plan is predicted faster before the budget's leftover room is
+    used (``_plan_decisions``: sweeps, recomputed tensors, prefetch and short chains chosen; ``_use_room``, the
+    keep search, runs for the chosen size only). Why: the corner ranks slab sizes before those choices, which
+    differ by size (400^3 float32 on GH200: corners 0.412 s at 1 GiB and 0.416 s at 512 MiB, finished 0.383
+    and 0.379 s)."""
+    sizes = {d.slab_bytes for d in start.decisions if d.slab_bytes is not None}
+    if start.tied_slab_bytes and config.device_profile is not None and len(sizes) == 1:
+        def seconds(size):
+            trial = keep_unread_activation_outputs(calls, start.at_slab_bytes(size), facts)
+            entries = _plan_decisions(calls, trial, config, facts, batch_size, static_bytes, update_bytes)
+            return plan_seconds(calls, entries, config, facts, batch_size)
+
+        corner = sizes.pop()
+        best = min((corner, *start.tied_slab_bytes), key=seconds)  # (the corner's choice first: wins ties)
+        plan = _finish_plan(calls, start.decisions, config, facts, batch_size, static_bytes, update_bytes)
+        if best == corner:
+            return plan
+        other = _finish_plan(calls, start.at_slab_bytes(best), config, facts, batch_size, static_bytes, update_bytes)
+        return _faster(calls, plan, other, config, facts, batch_size,
+                       f"in slabs of {format_bytes(best)}, whose step ties at the corner")
+    return _finish_plan(calls, start.decisions, config, facts, batch_size, static_bytes, update_bytes)
 
 
 def _faster(calls, first, second, config, facts, batch_size: int, how: str) -> list:
@@ -219,7 +247,7 @@ def _plan_decisions(calls, decisions, config, facts, batch_size: int, static_byt
             plan_sweep_windows(calls, entries, config, facts, batch_size,
                                lambda swept: fits_budget(calls, entries, config, facts, batch_size, static_bytes,
                                                          update_bytes, swept=swept), holds=False)
-            _plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
+            plan_prefetch(calls, entries, config, facts, batch_size, static_bytes, update_bytes)
             ahead = planned_prefetch(entries, config.prefetch)
             plan_short_chains(calls, entries, facts, batch_size,
                               lambda short: plan_seconds(calls, entries, config, facts, batch_size,
@@ -281,39 +309,6 @@ def _keep_where_room(calls, decisions, entries, config, facts, batch_size: int, 
     log.info("keras-lms: keeping %d offloaded layer calls on the device where device_budget has room (predicted "
              "step %.3f s instead of %.3f s on %s).", len(saved), after, before, config.device_profile.name)
     return kept, replanned, True
-
-
-# With a device profile and a budget, the planner tries starting copies back up to this many calls ahead.
-MAX_PREFETCH = 8
-
-
-def _plan_prefetch(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
-                   update_bytes: int = 0) -> None:
-    """Start copies back earlier where the budget has room for them: among the prefetch depths from
-    ``config.prefetch`` up to MAX_PREFETCH whose plan fits ``device_budget`` (a deeper prefetch holds each copy
-    back on the device longer), the one with the shortest predicted step, recorded on every entry
-    (``PlanEntry.prefetch``). Why: a backward that reads a large tensor waits for its copy back, which one call
-    of lead hides only behind a call as long as the copy (an H200 step at 192^3 waits ~100 ms for copies with a
-    lead of one call, ~65 ms with four: docs/benchmarks.md). ``prefetch=0`` (copies back only when their
-    gradient arrives) is the user's explicit choice and is kept."""
-    if config.prefetch < 1 or not any(e.offloaded for e in entries):
-        return
-    def seconds(prefetch):
-        return plan_seconds(calls, entries, config, facts, batch_size, prefetch=prefetch)
-
-    best, best_seconds = config.prefetch, seconds(config.prefetch)
-    for prefetch in range(config.prefetch + 1, MAX_PREFETCH + 1):
-        if not fits_budget(calls, entries, config, facts, batch_size, static_bytes, update_bytes, prefetch=prefetch):
-            break  # deeper holds more: nothing further fits either
-        t = seconds(prefetch)
-        if t < best_seconds * 0.99:  # at least 1% faster for each step deeper
-            best, best_seconds = prefetch, t
-    if best == config.prefetch:
-        return
-    log.info("keras-lms: copies back start %d calls ahead instead of %d (predicted step %.3f s on %s).", best,
-             config.prefetch, best_seconds, config.device_profile.name)
-    for entry in entries:
-        entry.prefetch = best
 
 
 def _plan_recompute(calls, entries, config, facts, batch_size: int, static_bytes: int = 0,
@@ -379,7 +374,7 @@ def _note_slabs(calls, entries, facts, batch_size: int) -> list:
     plans = facts.slab_plans(calls, offloaded_rows, batch_size, slab_bytes)
     chains = facts.fused_slab_chains(calls, offloaded_rows, plans)
     fused_sources = {source for source, _ in chains.values()}
-    sweep_plan.note_pooling_folds(calls, entries, facts.pooling_folds(calls, offloaded_rows, plans))
+    sweep_plan.note_pooling_folds(calls, entries, facts, offloaded_rows, plans)
     for i, plan in plans.items():
         entries[i].reason += f"; computed in {plan.count} slabs of {format_bytes(slab_bytes)} along axis 1"
         if plan.moments and i not in fused_sources:  # say why its copy comes back twice

@@ -5,6 +5,7 @@ that fit, largest bytes x distance first, or every eligible one; smaller slabs w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from keras_lms.config import format_bytes
@@ -19,8 +20,30 @@ class BudgetError(ValueError):
     """The step cannot fit the device budget even with every eligible tensor offloaded."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BudgetStart:
+    """A start of the budget planner (``budget_start``): the per-call decisions, at the slab size the corner step
+    chose, and the other slab sizes whose corner ties with it (``slab_choice.fastest_fitting_slab``), at which the
+    planner finishes the plan too."""
+
+    decisions: list
+    tied_slab_bytes: tuple = ()
+
+    def at_slab_bytes(self, slab_bytes: int) -> list:
+        """The decisions with the offloaded calls computed in slabs of ``slab_bytes``."""
+        return [d if d.slab_bytes is None else dataclasses.replace(d, slab_bytes=slab_bytes)
+                for d in self.decisions]
+
+
 def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0,
-               offload_all: bool = False):
+               offload_all: bool = False) -> list:
+    """``budget_start``'s decisions alone."""
+    return budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes,
+                        offload_all).decisions
+
+
+def budget_start(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0,
+                 offload_all: bool = False) -> BudgetStart:
     """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``: the
     fewest offloads that fit, largest bytes x distance first, or with ``offload_all`` every eligible one (once
     the step does not fit without offloading).
@@ -36,7 +59,7 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
                  format_bytes(plain.budget_bytes), format_bytes(budget))
         reason = (f"kept: LMS not needed, the step fits device_budget {format_bytes(budget)} "
                   f"(predicted {format_bytes(plain.budget_bytes)} with the planner's margin)")
-        return [CallDecision(list(row), reason) for row in none]
+        return BudgetStart([CallDecision(list(row), reason) for row in none])
     sizes_in, sizes_out, _ = tensor_sizes(calls, batch_size)
     n = len(calls)
     candidates = [i for i, d in enumerate(decisions) if d.offloaded]
@@ -52,7 +75,7 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
                           lean_normalization=config.lean_normalization, slab_bytes=config.slab_bytes)
         if memory.budget_bytes <= budget:
             break
-    slab_bytes = config.slab_bytes
+    slab_bytes, tied = config.slab_bytes, ()
     while memory.budget_bytes > budget and slab_bytes // 2 >= MIN_SLAB_BYTES:
         # Everything offloaded and still too large: smaller slabs hold smaller working sets (where planned).
         smaller = simulate(calls, chosen, facts, batch_size, config.prefetch, static_bytes, update_bytes=update_bytes,
@@ -61,8 +84,8 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
             break
         slab_bytes, memory = slab_bytes // 2, smaller
     if memory.budget_bytes <= budget and config.device_profile is not None:
-        slab_bytes, memory = fastest_fitting_slab(calls, chosen, config, facts, batch_size, static_bytes,
-                                                  update_bytes, slab_bytes, memory)
+        slab_bytes, memory, tied = fastest_fitting_slab(calls, chosen, config, facts, batch_size, static_bytes,
+                                                        update_bytes, slab_bytes, memory)
     if memory.budget_bytes > budget:
         slabs = facts.slab_plans(calls, chosen, batch_size, slab_bytes)
         built = set(range(n)) - set(facts.elided_concatenations(calls, slabs, batch_size) if slabs else ())
@@ -91,4 +114,4 @@ def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: i
             out.append(CallDecision(chosen[i], f"kept: device_budget {format_bytes(budget)} is met without it"))
         else:
             out.append(d)
-    return out
+    return BudgetStart(out, tied)

@@ -1,6 +1,6 @@
 """Copies back started earlier for the calls that wait for them: a prefetch depth per call, where it pays.
 
-The plan's prefetch depth (``PlanEntry.prefetch``, ``budget._plan_prefetch``) is one number for every call: a
+The plan's prefetch depth (``PlanEntry.prefetch``, ``prefetch_plan.plan_prefetch``) is one number for every call: a
 depth deep enough for the backward that waits longest holds every other copy back longer too, and at the largest
 volumes no deeper depth fits the budget. Yet the waits sit at a few calls: a BatchNormalization's backward whose
 copy back (read twice, in windows) outlasts the short backward before it, a deep level's convolution whose copy

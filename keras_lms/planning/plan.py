@@ -51,6 +51,8 @@ class PlanEntry:
         folded_pooling: ``(pooling call, stride)`` when this activation's slab backward also takes the input
             gradient of the pooling that reads its output, window by window, where no level sweep runs it
             (TensorFlow's ``offload.tensorflow.pooling_folds``: its windows are the pooling's); None otherwise.
+        slab_align: the row multiple this call's slab windows start on (1: wherever its slab size puts them): a
+            folding activation's, and its BatchNorm's, are its pooling's stride (``pooling_folds.alignments``).
         parked_inputs: positions of this call's inputs that go to host memory right after it, for a far later
             reader that reads them from there a window of rows at a time (``BackendFacts.parked_inputs``: JAX's
             U-Net skips, read by the decoder's windowed convolution); empty: none.
@@ -85,6 +87,7 @@ class PlanEntry:
     sweep_held: tuple = ()
     sweep_folded: tuple | None = None
     folded_pooling: tuple | None = None
+    slab_align: int = 1
     prefetch: int | None = None
     copy_back_lead: int | None = None
     parked_inputs: list = dataclasses.field(default_factory=list)
@@ -168,6 +171,7 @@ class CallDecision:
     sweep_held: tuple = ()  # PlanEntry.sweep_held
     sweep_folded: tuple | None = None  # PlanEntry.sweep_folded
     folded_pooling: tuple | None = None  # PlanEntry.folded_pooling
+    slab_align: int = 1  # PlanEntry.slab_align
 
     @property
     def offloaded(self) -> bool:

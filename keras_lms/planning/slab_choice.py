@@ -7,7 +7,11 @@ depends on the slab size differently. Timed without them, a 384^3 float32 3D U-N
 (nothing left to recompute in windows) and ran 6.0x the plain step on H100-PCIe5, where 512 MiB slabs give
 2.1x. So each size is timed at the faster of the plan's two corners: every offloaded tensor copied, or every
 level sweep run and every tensor the back end can recompute in windows recomputed (one timeline per size). The
-finished plans of the 3D U-Net's budgets are within a few % of their faster corner.
+finished plans of the 3D U-Net's budgets are within a few % of their faster corner. Within a few % is not close
+enough to tell sizes apart whose corners tie: on GH200 the corner (every tensor copied) of the 400^3 float32 plan is
+0.412, 0.416 and 0.416 s at 1 GiB, 512 MiB and 256 MiB slabs, and the finished plans 0.383, 0.379 and 0.392 s.
+So the sizes whose corner is within ``SLAB_TIE`` of the best are handed back too (``tied``), and the planner
+finishes the plan at each and keeps the fastest (``budget._finish_start``).
 """
 
 from __future__ import annotations
@@ -24,17 +28,22 @@ log = logging.getLogger(__name__)
 MIN_SLAB_BYTES = 16 << 20
 # With a device profile, the planner also tries slabs up to this many doublings above the configured size.
 SLAB_DOUBLINGS = 4
+# Sizes whose corner step is within this fraction of the fastest one's tie with it: the planner finishes the plan
+# at each of them too, at most SLAB_FINISHES sizes in all (the fastest corner first). 0: the corner alone decides.
+SLAB_TIE = 0.03
+SLAB_FINISHES = 3
 
 
 def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
                          slab_bytes: int, memory):
-    """(slab size, StepMemory) among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
+    """(slab size, StepMemory, tied sizes) among the slab sizes (``slab_bytes`` halved down to MIN_SLAB_BYTES, doubled
     SLAB_DOUBLINGS times) whose prediction fits ``config.device_budget`` with the offload decisions ``chosen``:
     the one with the shortest corner step on ``config.device_profile`` (the faster of ``copied_seconds``, which a
     fast link like GH200's favours, and ``windowed_seconds``); between equal steps, the one timed fastest with
-    every offloaded tensor copied. ``slab_bytes`` (with ``memory``) fits."""
+    every offloaded tensor copied. ``slab_bytes`` (with ``memory``) fits. The tied sizes: the other fitting
+    sizes whose corner is within ``SLAB_TIE`` of the chosen one's, fastest corner first (module docstring)."""
     if not slab_bytes:
-        return slab_bytes, memory
+        return slab_bytes, memory, ()
     sizes = {slab_bytes << k for k in range(1, SLAB_DOUBLINGS + 1)}
     size = slab_bytes // 2
     while size >= MIN_SLAB_BYTES:
@@ -51,11 +60,13 @@ def fastest_fitting_slab(calls, chosen, config, facts, batch_size: int, static_b
     copied = {size: copied_seconds(calls, chosen, config, facts, batch_size, size) for size in fitting}
     corner = {size: min(copied[size], windowed_seconds(calls, chosen, config, facts, batch_size, size))
               for size in fitting}
-    best = min(sorted(fitting), key=lambda size: (corner[size], copied[size]))
+    ranked = sorted(sorted(fitting), key=lambda size: (corner[size], copied[size]))
+    best = ranked[0]
     if best != slab_bytes:
         log.info("keras-lms: slabs of %s (predicted step %.3f s on %s, at the faster corner) instead of %s.",
                  format_bytes(best), corner[best], config.device_profile.name, format_bytes(slab_bytes))
-    return best, fitting[best]
+    tied = tuple(size for size in ranked[1:SLAB_FINISHES] if corner[size] <= corner[best] * (1 + SLAB_TIE))
+    return best, fitting[best], tied
 
 
 def windowed_seconds(calls, offloaded, config, facts, batch_size: int, slab_bytes: int) -> float:

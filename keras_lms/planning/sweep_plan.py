@@ -152,13 +152,16 @@ def _mark_sweeps(calls, entries, candidates, chosen, config) -> None:
                 entries[sweep.folded].reason += own
 
 
-def note_pooling_folds(calls, entries, folds: dict) -> None:
+def note_pooling_folds(calls, entries, facts, offloaded, slabs: dict) -> None:
     """Record the back end's pooling folds (``BackendFacts.pooling_folds``: pooling -> (activation, stride)) on
-    the activations' entries (``PlanEntry.folded_pooling``, which the step reads) and say so in the poolings'
-    reasons; a level sweep of the activation chosen later takes the fold over (``_mark_sweeps``)."""
-    for pool, (act, stride) in folds.items():
+    the activations' entries (``PlanEntry.folded_pooling``) and the windows they align
+    (``BackendFacts.slab_alignments``: ``PlanEntry.slab_align``), which the step reads, and say so in the
+    poolings' reasons; a level sweep of the activation chosen later takes the fold over (``_mark_sweeps``)."""
+    for pool, (act, stride) in facts.pooling_folds(calls, offloaded, slabs).items():
         entries[act].folded_pooling = (pool, stride)
         entries[pool].reason += pooling_fold_note(calls, act)
+    for i, stride in facts.slab_alignments(calls, offloaded, slabs).items():
+        entries[i].slab_align = stride
 
 
 def pooling_fold_note(calls, act: int) -> str:

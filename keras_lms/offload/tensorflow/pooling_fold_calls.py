@@ -19,10 +19,12 @@ class PoolingFoldCalls:
 
     @staticmethod
     def _aligned_for_fold(decision, plan):
-        """An activation the plan folds a pooling into is cut into the pooling's windows, as the planner's
-        ``slab_plans`` cut it (``pooling_folds.aligned``), swept or not."""
-        if getattr(decision, "folded_pooling", None) and plan is not None:
-            return pooling_folds.aligned_plan(plan, decision.folded_pooling[1])
+        """A call whose windows the plan aligns (``PlanEntry.slab_align``: an activation the plan folds a pooling
+        into, and its BatchNorm) is cut into them, as the planner's ``slab_plans`` cut it
+        (``pooling_folds.alignments``), swept or not."""
+        stride = getattr(decision, "slab_align", 1)
+        if stride > 1 and plan is not None:
+            return pooling_folds.aligned_plan(plan, stride)
         return plan
 
     def _bind_pooling_fold(self, record, decision, tensors) -> None:

@@ -360,6 +360,9 @@ class TensorFlowFacts(BackendFacts):
     def pooling_folds(self, calls, offloaded, slabs: dict) -> dict:
         return pooling_folds.pooling_folds(calls, offloaded, slabs, self)
 
+    def slab_alignments(self, calls, offloaded, slabs: dict) -> dict:
+        return pooling_folds.alignments(calls, offloaded, slabs, self)
+
     def room_for_keeps(self, calls, batch_size: int, device_budget) -> bool:
         return room_for_keeps(calls, batch_size, device_budget)
 

@@ -113,7 +113,7 @@ def test_swap_in_waits_for_backward_and_prefetches(prefetch):
 
 def test_the_planned_prefetch_gates_the_swap_ins(planned_prefetch):
     """With device_profile and device_budget the planner may start copies back deeper than LMSConfig.prefetch
-    (planning.budget._plan_prefetch, tested in tests/planning/test_budget.py): the traced step must gate each
+    (planning.prefetch_plan.plan_prefetch, tested in tests/planning/test_budget.py): the traced step must gate each
     swap-in on the gradient of the call the plan says. The plan is made to say 2 here; the config says 0."""
     planned_prefetch(2)
     model = models.cnn_bn_dropout()

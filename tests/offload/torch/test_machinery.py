@@ -123,7 +123,7 @@ def test_backward_of_call_k_starts_the_swap_in_of_call_k_minus_prefetch(prefetch
 
 def test_the_planned_prefetch_is_what_the_step_runs(planned_prefetch, monkeypatch):
     # With device_profile and device_budget the planner may start copies back deeper than LMSConfig.prefetch
-    # (planning.budget._plan_prefetch, tested on its own in tests/planning/test_budget.py); the step must run
+    # (planning.prefetch_plan.plan_prefetch, tested on its own in tests/planning/test_budget.py); the step must run
     # the plan's depth, not the config's. The plan is made to say 3 here; the config says 1.
     planned_prefetch(3)
     n = 8
