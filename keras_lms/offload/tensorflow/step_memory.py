@@ -317,9 +317,8 @@ class TensorFlowFacts(BackendFacts):
         return backward_layout_bytes(call, input_sizes, output_sizes)
 
     def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
-        # The planner's searches ask for the same plan's slabs hundreds of times (each step-time prediction and
-        # memory simulation of a recompute or keep candidate): 5 ms each at the 3D U-Net's 67 calls, a fifth of
-        # wrap()'s planning. Kept on the first traced call (``RawCall.derived``), so it lives as long as the trace.
+        # The planner's searches ask for the same plan's slabs hundreds of times (5 ms each at the 3D U-Net's 67
+        # calls, a fifth of wrap()'s planning): kept on the first traced call (``RawCall.derived``), as long as it.
         cache = getattr(calls[0], "derived", None) if calls else None
         if cache is None:
             return slab_plans(calls, offloaded, batch_size, slab_bytes)
@@ -349,8 +348,7 @@ class TensorFlowFacts(BackendFacts):
         return slab_chains.fused_chains(calls, offloaded, slabs, self, short)
 
     def short_chain_bytes(self, source_call, source_input_bytes: int, slab) -> int:
-        # the BatchNorm's forward recomputed on the windows of its input, in its compute dtype (float32 under
-        # mixed precision): +0.48 GiB at 400^3 float32, +0.97 GiB at 496^3 mixed_float16 in the executed graph
+        # BatchNorm recomputed on its input's windows in its compute dtype (400^3 float32: +0.48 GiB executed)
         window = source_input_bytes / max(1, slab.count)
         return int(SLAB_WORKING_WINDOWS * window * _compute_ratio(source_call.dtypes[0]))
 
@@ -376,8 +374,7 @@ class TensorFlowFacts(BackendFacts):
         return prefetched_slab_bytes(call, read_sizes, slab)
 
     def sweep_timing(self, calls, sweep, input_sizes) -> SweepTiming:
-        # pass A in the last activation's backward, pass B_j in BatchNorm j's; convolution j's gradient is handed
-        # to it when BatchNorm j's pass starts (slab_calls: BatchNorm's backward returns its upstream gradient)
+        # pass A in the last activation's backward, pass B_j in BatchNorm j's, which hands convolution j its gradient
         return SweepTiming(passes=frozenset([bn for _, bn, _ in sweep.units] + [sweep.units[-1][2]]),
                            handed={conv: bn for conv, bn, _ in sweep.units}, first_pass=sweep.units[-1][2],
                            early_bytes=prefetched_sweep_bytes(calls, sweep, input_sizes),
