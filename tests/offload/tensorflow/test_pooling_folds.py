@@ -147,6 +147,42 @@ def test_the_planners_models_drop_the_poolings_copy_back_and_its_sum(monkeypatch
     assert any(summed), "the folded pooling's keys are summed window by window"
 
 
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
+def test_a_folding_activation_keeps_its_short_chain(dtype_policy, align, monkeypatch):
+    """The skip ReLU cut into its pooling's windows takes its BatchNorm with it (``pooling_folds.alignments``,
+    ``PlanEntry.slab_align``), so the two still form a short chain (``slab_chains``: the ReLU's backward
+    recomputes its output from the BatchNorm input's copy and takes BatchNorm's first pass). At 44 rows in 8
+    slabs the slab size puts windows on odd rows: aligned, the ReLU takes the pooling's gradient and runs the
+    short chain in the same windows, exact (float64, 1e-12); the control (the ReLU alone aligned) folds but
+    forms no chain there."""
+    from keras_lms.offload.tensorflow import slab_chains
+    from keras_lms.offload.tensorflow.step import StepContext
+
+    monkeypatch.setattr(slab_chains, "SHORT_CHAINS", True)
+    monkeypatch.setattr(pooling_folds, "ALIGN_NORMALIZATION", align)
+    chained, handed = [], []
+    chain, hand = StepContext._chain, pooling_fold_calls.PoolingFoldCalls._hand_pooling_gradient
+    monkeypatch.setattr(StepContext, "_chain", lambda self, *args: chained.append(chain(self, *args)) or chained[-1])
+    monkeypatch.setattr(pooling_fold_calls.PoolingFoldCalls, "_hand_pooling_gradient",
+                        lambda self, *args: handed.append(hand(self, *args)) or handed[-1])
+    keras.utils.set_random_seed(0)
+    model = bn_unet2d(size=44)
+    wrapped = _wrapped(model)
+    plan = wrapped.plan(batch_size=4)
+    (act,) = [e.index for e in plan if e.folded_pooling]
+    bn = act - 1
+    assert plan[bn].layer_class == "BatchNormalization" and plan[act].slab_align == 2
+    assert plan[bn].slab_align == (2 if align else 1)
+    short = {e.index for e in plan if e.recompute_from is not None and e.recompute_from[1] is None}
+    assert (act in short) == align, short
+    result = compare_step(model, wrapped, np.random.default_rng(3).random((4, 44, 44, 1)))
+    ran = {c[0].index for c in chained if c is not None and c[1] is None}  # the chain's BatchNorm records
+    assert (bn in ran) == align and any(h is not None for h in handed), (ran, handed)
+    assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
+    assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
+
+
 def test_no_fold_for_an_activation_differentiated_from_its_input():
     """GELU's gradient needs its input, not its output: its slab backward has no window path to add the
     pooling's share to, so the planner folds nothing there and the pooling differentiates itself (exact)."""

@@ -119,3 +119,26 @@ def test_a_larger_budget_never_plans_a_much_slower_step(monkeypatch):
     monkeypatch.setattr(pooling_folds, "ENABLED", False)
     assert _step_ratio(model, "4GiB") > 2 * ratios[0]
     keras.backend.clear_session()
+
+
+def test_slab_sizes_whose_corner_ties_are_finished_too(monkeypatch):
+    """The corner step ranks slab sizes before sweeps, recomputed tensors, short chains and keeps are chosen: at
+    400^3 float32 on GH200 (16 GiB) its three best sizes are within 1% (0.412 s at 1 GiB, 0.416 s at 512 MiB
+    and 256 MiB), their finished plans are not (0.383, 0.379, 0.392 s). The planner finishes the tied sizes
+    too (``slab_choice.SLAB_TIE``) and keeps the fastest: 512 MiB slabs. Control: ``SLAB_TIE = 0``, the corner
+    alone decides (1 GiB slabs, slower)."""
+    from keras_lms.planning import slab_choice
+
+    big = unet((400, 400, 400, 1), 16)
+
+    def planned():
+        rep = keras_lms.report(big, batch_size=1, device_budget="16GiB", device_profile="gh200")
+        assert rep.totals["fits_device_budget"]
+        return rep.times["as planned"].step_seconds / rep.times["plain"].step_seconds, slab_sizes(rep.rows)
+
+    tied, sizes = planned()
+    monkeypatch.setattr(slab_choice, "SLAB_TIE", 0.0)
+    corner, corner_sizes = planned()
+    assert tied <= 1.14 < corner, (tied, corner)
+    assert "512.0 MiB" in sizes and "512.0 MiB" not in corner_sizes, (sizes, corner_sizes)
+    keras.backend.clear_session()
