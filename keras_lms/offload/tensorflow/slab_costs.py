@@ -106,9 +106,9 @@ class SweepTraffic:
 def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) -> SweepTraffic:
     """The windows a sweep's passes read and the forward they recompute, slab by slab, as ``sweep_calls`` runs
     them: pass A recomputes every unit on its slab's rows, pass B_j convolution j on the rows its input gradient
-    reads (``[s0 - h, s1 + h)``) and the units below it on rows widened by each convolution's halo; a held unit
-    (``Sweep.held``) is convolved in pass A only; a folded pooling (``Sweep.folded``) is pass A's, and reads no
-    windows of its own."""
+    reads (``[s0 - h, s1 + h)``; BatchNorm j is differentiated there, activation j does not run) and the units
+    below it on rows widened by each convolution's halo; a held unit (``Sweep.held``) is convolved in pass A
+    only; a folded pooling (``Sweep.folded``) is pass A's, and reads no windows of its own."""
     units = sweep.units
     first = units[0][0]
     length = slabs[first].length
@@ -122,16 +122,17 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
     # TensorFlow prunes the gradient of a model input: such a run's input gradient is never computed
     from_model_input = not any(set(calls[first].keys) & set(c.output_keys) for c in calls[:first])
 
-    def recompute(owner, j, a, b, first_pass=False):
+    def recompute(owner, j, a, b, first_pass=False, activated=True):
         """Unit j's output rows [a, b) recomputed (j = 0: the run's input rows read); a held unit's convolution
-        output is sliced after pass A, so only its normalisation and activation run again."""
+        output is sliced after pass A, so only its normalisation and activation run again. Not ``activated``:
+        pass B_j's own unit, whose BatchNorm is differentiated there and whose activation does not run."""
         if j == 0:
             for key, _ in inputs:
                 reads[(owner, key)] = reads.get((owner, key), 0) + (b - a)
             return
         conv, bn, act = units[j - 1]
         w = work.setdefault(owner, [0.0, 0.0])
-        w[1] += (costs[bn].forward_bytes + costs[act].forward_bytes) * (b - a) / length
+        w[1] += (costs[bn].forward_bytes + (costs[act].forward_bytes if activated else 0.0)) * (b - a) / length
         if j in held and not first_pass:
             return
         h = slabs[conv].halo
@@ -146,7 +147,7 @@ def sweep_traffic(calls, sweep, slabs: dict, offloaded, parts, batch_size: int) 
             conv, bn, _ = units[j - 1]
             h = slabs[conv].halo
             g0, g1 = max(0, s0 - h), min(length, s1 + h)
-            recompute(bn, j, g0, g1)
+            recompute(bn, j, g0, g1, activated=False)  # (sweep_calls._sweep_second_pass: no activation j)
             if j in held:  # its output sliced: its input's rows still give the weight gradient
                 recompute(bn, j - 1, max(0, g0 - h), min(length, g1 + h))
             # the weight and input gradients over those rows too (an exact-row slab backward: the slab's rows

@@ -67,7 +67,7 @@ def holds_both(report, layer):
     return f"the outputs of {layer}, " in reason
 
 
-def finished_from_the_defaults(model, monkeypatch):
+def finished_from_the_defaults(model, monkeypatch, defaults_sweep_the_decoder=False):
     """The 16 GiB plan where the defaults fit with the margin: finished for the budget (faster than the defaults,
     within the margin, nothing kept on the device that the defaults offload: the keeps raised grappler's own
     estimate over the GPU's memory at these volumes), and the controls: the defaults as they are without the
@@ -82,12 +82,13 @@ def finished_from_the_defaults(model, monkeypatch):
     assert not any("met only without" in r["reason"] for r in planned.rows)
     # the level-0 decoder, which the defaults do not sweep (its default windows are slower than its recompute),
     # swept with thicker windows; the control: without that, not swept and slower
-    assert not level_swept(defaults, "up0_conv1") and level_swept(planned, "up0_conv1")
-    with monkeypatch.context() as patched:
-        patched.setattr(budget, "SWEEP_UNSWEPT_AT_THE_EDGE", False)
-        unswept = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
-    assert not level_swept(unswept, "up0_conv1")
-    assert planned.totals["predicted_step_seconds"] < 0.97 * unswept.totals["predicted_step_seconds"]
+    assert level_swept(defaults, "up0_conv1") == defaults_sweep_the_decoder and level_swept(planned, "up0_conv1")
+    if not defaults_sweep_the_decoder:
+        with monkeypatch.context() as patched:
+            patched.setattr(budget, "SWEEP_UNSWEPT_AT_THE_EDGE", False)
+            unswept = keras_lms.report(model, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5")
+        assert not level_swept(unswept, "up0_conv1")
+        assert planned.totals["predicted_step_seconds"] < 0.97 * unswept.totals["predicted_step_seconds"]
     # both of its units held (its gradients between passes in pieces leave the room); the control: concatenated
     # whole, the model has no room for the first unit's output and the step is slower
     assert holds_both(planned, "up0_conv1")
@@ -113,8 +114,10 @@ def test_the_largest_mixed_precision_cube_gets_a_plan_finished_from_the_defaults
     """At 496^3 mixed_float16 the skip poolings' gradients in the sweeps put the default plan at 12.0 GiB, within
     16 GiB with the margin, while the starts (before any sweep) still need more than 16: 2.12x the plain step
     instead of 2.89x. (Finished with the keep search it was predicted at 2.39x, but it made grappler swap 28 GiB
-    each way on a 16 GiB GPU: docs/design.md.)"""
-    finished_from_the_defaults(unet((496, 496, 496, 1), 16), monkeypatch)
+    each way on a 16 GiB GPU: docs/design.md.) Since the step-time model stopped charging a sweep's pass B_j for
+    activation j, which it does not run (session 30), the defaults sweep the level-0 decoder here by themselves:
+    the edge's offer of unswept runs (``SWEEP_UNSWEPT_AT_THE_EDGE``) is checked at 400^3."""
+    finished_from_the_defaults(unet((496, 496, 496, 1), 16), monkeypatch, defaults_sweep_the_decoder=True)
 
 
 @pytest.mark.parametrize("edge, policy", [(400, "float32"), (496, "mixed_float16")])
