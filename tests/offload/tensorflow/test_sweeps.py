@@ -379,3 +379,56 @@ def test_the_skip_poolings_gradient_is_taken_in_the_first_pass(dtype_policy, for
         assert not folded and not seen
     assert max(result["grads"].values()) <= 1e-12 and max(result["state"].values()) <= 1e-12, result
     assert result["loss"] <= 1e-14 and result["outputs"] <= 1e-12, result
+
+
+def _executed_backward_ops(model, x, op_type) -> int:
+    """How many ``op_type`` nodes the backward of one step runs in the graph grappler optimises (one device)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from tests.offload.tensorflow.executed_graph import stitch
+
+    out = model(x, training=False)
+    dy = tf.ones_like(out) / np.prod(out.shape)
+
+    @tf.function(autograph=False)
+    def step(x, lms_test_dy):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+        return tape.gradient(out, model.trainable_variables, output_gradients=lms_test_dy)
+
+    concrete = step.get_concrete_function(x, dy)
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        step(x, dy)
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    executed = stitch([pg for fg in metadata.function_graphs for pg in fg.partition_graphs], concrete.graph)
+    return sum(1 for name in executed.backward if executed.nodes[name].op == op_type)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["recomputed", "held"])
+def test_pass_b_runs_no_activation_of_its_own_unit(forced, held, monkeypatch):
+    """The step-time model charges pass B_j BatchNorm j's element-wise work and not activation j's
+    (``slab_costs.sweep_traffic``), because ``sweep_calls`` never calls activation j there: per window, pass A
+    activates both units of a two-unit run, pass B_2 the unit below (its output is convolution 2's input and
+    gives activation 1's gradient), pass B_1 none (it reads the run's input). In the graph grappler optimises,
+    the backward runs the ReLU kernel 3 times per window, held units or not; the model charged 5 before
+    (session 30). The forward's ReLUs are not counted (not downstream of the output gradient)."""
+    monkeypatch.setattr(sweeps, "HELD_FORCED", held)
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 1))
+    x = inp
+    for _ in range(2):
+        x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(4, 3, padding="same", use_bias=False)(x)))
+    model = keras.Model(inp, layers.Dense(1)(layers.GlobalAveragePooling2D()(x)))
+    wrapped = keras_lms.wrap(model, min_bytes=0, keep_last=0, slab_bytes=SLAB)
+    plan = wrapped.plan(batch_size=4)
+    (run,) = swept_runs(plan)
+    windows = plan[run[0]].sweep_windows
+    assert len(run) == 6 and windows >= 2 and bool(plan[run[0]].sweep_held) == held, plan[run[0]]
+    relus = _executed_backward_ops(wrapped, np.random.default_rng(0).random((4, 32, 32, 1)), "Relu")
+    assert relus == 3 * windows, (relus, windows)
