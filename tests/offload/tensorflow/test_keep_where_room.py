@@ -74,7 +74,9 @@ def test_a_small_input_is_offloaded_so_that_the_large_output_is_recomputed(monke
     convolution outputs, copied and brought back twice at the end of the backward. Their producer's input is the
     216 MiB image: offloaded, the first convolution's 3.4 GiB output is recomputed from its windows instead
     (``planning.source_offload``): at 384^3 float32 with a 64 GiB budget on H100-PCIe5, 0.455 -> 0.307 s
-    predicted, 6.9 -> 0.7 GiB back. The control: the same planner without the move (no candidates)."""
+    predicted, 6.9 -> 0.7 GiB back. The control: the same planner without the move (no candidates), whose faster
+    start is now every eligible tensor offloaded (0.440 s since a sweep's pass B stopped being charged for its own
+    activation, session 30): the image is offloaded there too, but with 48 calls, not as the move."""
     model = unet((384, 384, 384, 1), 16)
     moved = keras_lms.report(model, batch_size=1, device_budget="64GiB", device_profile="h100-pcie5")
     monkeypatch.setattr(source_offload, "MAX_TRIALS", 0)
@@ -82,7 +84,8 @@ def test_a_small_input_is_offloaded_so_that_the_large_output_is_recomputed(monke
     first = {r["layer"]: r for r in moved.rows}["down0_conv1"]
     assert first["offloaded"] and "so that the output can be recomputed" in first["reason"]
     assert "its output is not copied" in first["reason"]  # the re-plan chose to recompute it
-    assert not {r["layer"]: r for r in control.rows}["down0_conv1"]["offloaded"]
+    assert "so that the output can be recomputed" not in {r["layer"]: r for r in control.rows}["down0_conv1"]["reason"]
+    assert sum(r["offloaded"] for r in moved.rows) < sum(r["offloaded"] for r in control.rows)
     assert moved.totals["fits_device_budget"]
     faster, slower = moved.times["as planned"], control.times["as planned"]
     assert faster.step_seconds < 0.8 * slower.step_seconds
