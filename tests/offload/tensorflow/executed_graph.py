@@ -225,16 +225,19 @@ def stitch(partition_graphs, traced_graph, swap_out_prefix="lms_swap_out"):
     return step
 
 
-def run_step(model, x, y):
-    """Run one forward + backward of ``model`` on COMPUTE and return the ExecutedStep.
+def run_step(model, x, y=None, device=COMPUTE):
+    """Run one forward + backward of ``model`` on ``device`` (COMPUTE; None: wherever TensorFlow places it, no
+    second logical device needed) and return the ExecutedStep.
 
     The upstream gradient of the output is the function argument ``lms_test_dy`` (mean-squared-error's
     gradient computed outside), so the backward pass has a well-defined start in the executed graph.
     """
+    import contextlib
+
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    with tf.device(COMPUTE):
+    with tf.device(device) if device is not None else contextlib.nullcontext():
         out = model(x, training=False)
         dy = tf.nest.map_structure(lambda o: tf.ones_like(o) / np.prod(o.shape), out)
 
@@ -254,6 +257,6 @@ def run_step(model, x, y):
             ctx.disable_run_metadata()
     graphs = [pg for fg in metadata.function_graphs for pg in fg.partition_graphs]
     devices = {n.device for pg in graphs for n in pg.node}
-    if COMPUTE not in devices:
-        raise AssertionError(f"the step did not run on {COMPUTE}: partitions on {sorted(devices)}")
+    if device is not None and device not in devices:
+        raise AssertionError(f"the step did not run on {device}: partitions on {sorted(devices)}")
     return stitch(graphs, concrete.graph)

@@ -383,29 +383,9 @@ def test_the_skip_poolings_gradient_is_taken_in_the_first_pass(dtype_policy, for
 
 def _executed_backward_ops(model, x, op_type) -> int:
     """How many ``op_type`` nodes the backward of one step runs in the graph grappler optimises (one device)."""
-    import tensorflow as tf
-    from tensorflow.python.eager import context
+    from tests.offload.tensorflow.executed_graph import run_step
 
-    from tests.offload.tensorflow.executed_graph import stitch
-
-    out = model(x, training=False)
-    dy = tf.ones_like(out) / np.prod(out.shape)
-
-    @tf.function(autograph=False)
-    def step(x, lms_test_dy):
-        with tf.GradientTape() as tape:
-            out = model(x, training=True)
-        return tape.gradient(out, model.trainable_variables, output_gradients=lms_test_dy)
-
-    concrete = step.get_concrete_function(x, dy)
-    ctx = context.context()
-    ctx.enable_run_metadata()
-    try:
-        step(x, dy)
-        metadata = ctx.export_run_metadata()
-    finally:
-        ctx.disable_run_metadata()
-    executed = stitch([pg for fg in metadata.function_graphs for pg in fg.partition_graphs], concrete.graph)
+    executed = run_step(model, x, device=None)
     return sum(1 for name in executed.backward if executed.nodes[name].op == op_type)
 
 
