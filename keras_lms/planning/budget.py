@@ -16,7 +16,7 @@ import logging
 
 from keras_lms.config import format_bytes
 from keras_lms.planning import rules, sweep_plan
-from keras_lms.planning.budget_fit import BudgetError, budget_start, fit_budget
+from keras_lms.planning.budget_fit import BudgetError, fit_budget
 from keras_lms.planning.chain_plan import TWICE_NOTE, note_short_chain, plan_short_chains
 from keras_lms.planning.keep_plan import calls_to_keep, keep_decisions, keep_unread_activation_outputs
 from keras_lms.planning.memory_model import BUDGET_MARGIN
@@ -63,13 +63,13 @@ def _budget_plan(calls, decisions, config, facts, batch_size: int, static_bytes:
     offloads, 1.7x from all), and choosing one alone made a larger budget give a much slower plan (the first is
     kept where they tie). Each is finished at its slab size and at the sizes that tie with it
     (``_finish_ties``)."""
-    fewest = budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    fewest = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
     plan = _finish_ties(calls, fewest, config, facts, batch_size, static_bytes, update_bytes)
     if (config.device_profile is None or not any(f.offloaded for f in fewest.decisions)  # (the step fits as it is)
             or all(list(f.offload_tensor) == list(d.offload_tensor)
                    for f, d in zip(fewest.decisions, decisions) if d.offloaded)):
         return plan  # (every eligible tensor is offloaded already: the same start)
-    every = budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
+    every = fit_budget(calls, decisions, config, facts, batch_size, static_bytes, update_bytes, offload_all=True)
     other = _finish_ties(calls, every, config, facts, batch_size, static_bytes, update_bytes)
     return _faster(calls, plan, other, config, facts, batch_size,
                    "from every eligible tensor offloaded, not the fewest offloads that fit")
@@ -83,21 +83,19 @@ def _finish_ties(calls, start, config, facts, batch_size: int, static_bytes: int
     differ by size (400^3 float32 on GH200: corners 0.412 s at 1 GiB and 0.416 s at 512 MiB, finished 0.383
     and 0.379 s)."""
     sizes = {d.slab_bytes for d in start.decisions if d.slab_bytes is not None}
+    settings = (config, facts, batch_size, static_bytes, update_bytes)
     if start.tied_slab_bytes and config.device_profile is not None and len(sizes) == 1:
-        def seconds(size):
-            trial = keep_unread_activation_outputs(calls, start.at_slab_bytes(size), facts)
-            entries = _plan_decisions(calls, trial, config, facts, batch_size, static_bytes, update_bytes)
-            return plan_seconds(calls, entries, config, facts, batch_size)
-
-        corner = sizes.pop()
-        best = min((corner, *start.tied_slab_bytes), key=seconds)  # (the corner's choice first: wins ties)
-        plan = _finish_plan(calls, start.decisions, config, facts, batch_size, static_bytes, update_bytes)
+        planned = {size: _first_plan(calls, start.at_slab_bytes(size), *settings)
+                   for size in (sizes.pop(), *start.tied_slab_bytes)}  # (the corner's choice first: wins ties)
+        corner, *_ = planned
+        best = min(planned, key=lambda size: plan_seconds(calls, planned[size][1], config, facts, batch_size))
+        plan = _finish_plan(calls, start.decisions, *settings, planned=planned[corner])
         if best == corner:
             return plan
-        other = _finish_plan(calls, start.at_slab_bytes(best), config, facts, batch_size, static_bytes, update_bytes)
+        other = _finish_plan(calls, start.at_slab_bytes(best), *settings, planned=planned[best])
         return _faster(calls, plan, other, config, facts, batch_size,
                        f"in slabs of {format_bytes(best)}, whose step ties at the corner")
-    return _finish_plan(calls, start.decisions, config, facts, batch_size, static_bytes, update_bytes)
+    return _finish_plan(calls, start.decisions, *settings)
 
 
 def _faster(calls, first, second, config, facts, batch_size: int, how: str) -> list:
@@ -182,16 +180,23 @@ def _finish_at_the_edge(calls, decisions, defaults, config, facts, batch_size: i
                    "for device_budget from wrap's plan without a budget, nothing more kept on the device")
 
 
+def _first_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int) -> tuple:
+    """``(decisions, entries)``: the decisions with unread activation outputs kept, planned as far as
+    ``_plan_decisions`` goes (what ``_finish_plan`` starts from, before the budget's leftover room is used)."""
+    decisions = keep_unread_activation_outputs(calls, decisions, facts)
+    return decisions, _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+
+
 def _finish_plan(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int,
-                 keep: bool = True, unswept: bool = False) -> list:
+                 keep: bool = True, unswept: bool = False, planned: tuple | None = None) -> list:
     """The plan's entries from the offload decisions: slabs, sweeps, recomputed tensors, prefetch and, with a
     budget and a profile, the budget's leftover room used (``_use_room``) with the keep search and without it, the
     faster kept (``keep=False``: without it only, and ``unswept``: the hold pass also offered the runs not swept,
     both for ``_finish_at_the_edge``). Why both: the searches are greedy, and
     calls kept first take room that held sweep units use better (448^3 mixed_float16 at 20 GiB: 0.438 s with the
-    keep search, 0.418 s without)."""
-    decisions = keep_unread_activation_outputs(calls, decisions, facts)
-    entries = _plan_decisions(calls, decisions, config, facts, batch_size, static_bytes, update_bytes)
+    keep search, 0.418 s without). ``planned``: ``_first_plan`` of these decisions, where the caller made it."""
+    decisions, entries = planned or _first_plan(calls, decisions, config, facts, batch_size, static_bytes,
+                                                update_bytes)
     if config.device_profile is None or config.device_budget is None:
         return entries
     settings = (config, facts, batch_size, static_bytes, update_bytes)

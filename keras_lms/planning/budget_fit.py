@@ -22,7 +22,7 @@ class BudgetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class BudgetStart:
-    """A start of the budget planner (``budget_start``): the per-call decisions, at the slab size the corner step
+    """A start of the budget planner (``fit_budget``): the per-call decisions, at the slab size the corner step
     chose, and the other slab sizes whose corner ties with it (``slab_choice.fastest_fitting_slab``), at which the
     planner finishes the plan too."""
 
@@ -36,17 +36,10 @@ class BudgetStart:
 
 
 def fit_budget(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0,
-               offload_all: bool = False) -> list:
-    """``budget_start``'s decisions alone."""
-    return budget_start(calls, decisions, config, facts, batch_size, static_bytes, update_bytes,
-                        offload_all).decisions
-
-
-def budget_start(calls, decisions, config, facts, batch_size: int, static_bytes: int, update_bytes: int = 0,
-                 offload_all: bool = False) -> BudgetStart:
+               offload_all: bool = False) -> BudgetStart:
     """Narrow ``decisions`` (from the min_bytes/keep_last/include/exclude policy) to fit ``device_budget``: the
     fewest offloads that fit, largest bytes x distance first, or with ``offload_all`` every eligible one (once
-    the step does not fit without offloading).
+    the step does not fit without offloading), as a ``BudgetStart`` (with the slab sizes that tie).
 
     Compares ``StepMemory.budget_bytes`` (the prediction with BUDGET_MARGIN on activations) with the budget.
     """

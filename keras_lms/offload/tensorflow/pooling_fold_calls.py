@@ -18,7 +18,7 @@ class PoolingFoldCalls:
     window-path checks)."""
 
     @staticmethod
-    def _aligned_for_fold(decision, plan):
+    def _planned_alignment(decision, plan):
         """A call whose windows the plan aligns (``PlanEntry.slab_align``: an activation the plan folds a pooling
         into, and its BatchNorm) is cut into them, as the planner's ``slab_plans`` cut it
         (``pooling_folds.alignments``), swept or not."""

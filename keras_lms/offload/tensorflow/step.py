@@ -160,7 +160,7 @@ class StepContext(SweepCalls, PoolingFoldCalls, SlabCalls, common.InterceptingCo
     def _offloaded_call(self, index, unit, original, args, kwargs, tensors, decision):
         template, positions = common.template(args, kwargs, TENSOR_FACTS.is_tensor)
         plan, tensors, offload, concatenated = self._slab_inputs(unit, tensors, decision)
-        plan = self._aligned_for_fold(decision, plan)  # (before the chain's check: the planner's windows)
+        plan = self._planned_alignment(decision, plan)  # (before the chain's check: the planner's windows)
         n = len(tensors)
         is_layer = isinstance(unit, keras.layers.Layer)
         # Read values now: the snapshot must not see this step's state updates (same Dropout masks and

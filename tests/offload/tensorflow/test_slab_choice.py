@@ -111,13 +111,13 @@ def test_a_larger_budget_never_plans_a_much_slower_step(monkeypatch):
     assert ratios[1] <= ratios[0] * 1.02 and ratios[2] <= ratios[1] * 1.02, ratios
     assert ratios[1] < 2.2, ratios
 
-    budget_start = planner.budget_start  # the control: sizes timed copied only (no ties finished), and one start
+    fit_budget = planner.fit_budget  # the control: sizes timed copied only (no ties finished), and one start
     monkeypatch.setattr(slab_choice, "windowed_seconds", lambda *args: float("inf"))
     monkeypatch.setattr(slab_choice, "SLAB_TIE", 0.0)
     monkeypatch.setattr(source_offload, "MAX_TRIALS", 0)  # (which alone rescues that start: 2.2x at 4 GiB)
     starts = []
-    monkeypatch.setattr(planner, "budget_start",
-                        lambda *a, offload_all=False, **k: starts.append(offload_all) or budget_start(*a, **k))
+    monkeypatch.setattr(planner, "fit_budget",
+                        lambda *a, offload_all=False, **k: starts.append(offload_all) or fit_budget(*a, **k))
     # (and no folded poolings: they free the skip junction's memory, and alone rescue that start too: 1.76x)
     monkeypatch.setattr(pooling_folds, "ENABLED", False)
     assert _step_ratio(model, "4GiB") > 2 * ratios[0]
