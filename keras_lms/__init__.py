@@ -4,10 +4,10 @@
 backward use; `keras_lms.report(model, batch_size)` predicts what that saves before anything runs, and
 `keras_lms.horovod` trains data-parallel on many ranks. See README.md and docs/ for usage.
 
-The public names are those in `__all__`: the entry points (`wrap`, `unwrap`, `report`), the settings
-(`LMSConfig`, `DeviceProfile`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`), the callbacks
-(`MemoryHighWaterMark`, `BackupAndRestore`) and the errors a user may catch (`BudgetError`, `HostMemoryError`,
-`BackupError`).
+The public names are those in `__all__`: the entry points (`wrap`, `unwrap`, `report`, `largest_input`), the
+settings (`LMSConfig`, `DeviceProfile`), what they return (`LMSModel`, `PlanEntry`, `ActivationReport`,
+`LargestInput`), the callbacks (`MemoryHighWaterMark`, `BackupAndRestore`) and the errors a user may catch
+(`BudgetError`, `HostMemoryError`, `BackupError`).
 """
 
 import os as _os
@@ -38,6 +38,7 @@ _check_keras_version()
 
 from keras_lms.callbacks import BackupAndRestore, BackupError, MemoryHighWaterMark  # noqa: E402
 from keras_lms.config import LMSConfig  # noqa: E402
+from keras_lms.largest_input import LargestInput, largest_input  # noqa: E402
 from keras_lms.memory import HostMemoryError  # noqa: E402
 from keras_lms.model import LMSModel  # noqa: E402
 from keras_lms.planning import BudgetError, PlanEntry  # noqa: E402
@@ -51,11 +52,13 @@ __all__ = [
     "wrap",
     "unwrap",
     "report",
+    "largest_input",
     # settings and results
     "LMSConfig",
     "LMSModel",
     "PlanEntry",
     "ActivationReport",
+    "LargestInput",
     "DeviceProfile",
     "MemoryHighWaterMark",
     "BackupAndRestore",

@@ -1,4 +1,5 @@
 """The `keras-lms` command: `keras-lms report MODEL.keras --batch-size N [--device h100-pcie5]`,
+`keras-lms largest MODEL.keras --batch-size N --budget 16GiB` (the largest input that fits),
 `keras-lms calibrate --out profile.json` (a device profile measured on this GPU) and `keras-lms info`."""
 
 from __future__ import annotations
@@ -83,6 +84,41 @@ def _report(args) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _parse_axes(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple(int(a) for a in text.split(","))
+    except ValueError:
+        raise ValueError(f"--axes {text!r} is not a list of axes: give the sample axes that grow, separated by "
+                         "commas, e.g. --axes 0,1,2 for a volume's three spatial axes.") from None
+
+
+def _largest(args) -> int:
+    import keras_lms
+
+    if not os.path.isfile(args.model):
+        return _fail(f"no such model file: {args.model}")
+    input_shape, axes = _parse_input_shape(args.input_shape), _parse_axes(args.axes)
+    profile = args.device or args.profile
+    if profile is not None:
+        from keras_lms.planning.device_profile import load_profile
+
+        profile = load_profile(profile)  # refuse a bad profile before loading the model
+    model = _load(args.model)
+
+    def progress(probe):
+        if not args.json:
+            verdict = "fits" if probe.fits else "does not fit"
+            print(f"  {'x'.join(map(str, probe.input_shape))}: {verdict}", file=sys.stderr, flush=True)
+
+    found = keras_lms.largest_input(model, batch_size=args.batch_size, device_budget=args.budget,
+                                    input_shape=input_shape, axes=axes, multiple=args.multiple,
+                                    device_profile=profile, plain=not args.no_plain, on_probe=progress)
+    print(json.dumps(found.to_dict(), indent=2) if args.json else found.to_text())
+    return 0 if found.input_shape is not None else 1
 
 
 def _installed_version(package: str):
@@ -197,6 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="predict step times on a built-in device profile (a100-pcie4, h100-pcie5, ...)")
     where.add_argument("--profile", default=None, help="predict step times on a profile file (keras-lms calibrate)")
     rep.set_defaults(func=_report)
+    big = sub.add_parser("largest", help="the largest input whose training step fits a device budget")
+    big.add_argument("model", help="a .keras file (plain or wrapped)")
+    big.add_argument("--batch-size", type=int, required=True)
+    big.add_argument("--budget", required=True, help="device budget, e.g. 16GiB")
+    big.add_argument("--input-shape", default=None,
+                     help="one sample's shape to start from, whose proportions are kept, e.g. 64,64,64,1 (default: "
+                          "the model's own)")
+    big.add_argument("--axes", default=None, help="the sample axes that grow, e.g. 0,1,2 (default: all but channels)")
+    big.add_argument("--multiple", type=int, default=None,
+                     help="grown axes are multiples of this (default: the model's down-sampling, e.g. 16)")
+    big.add_argument("--no-plain", action="store_true", help="skip the search for plain Keras' largest input")
+    big.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    where = big.add_mutually_exclusive_group()
+    where.add_argument("--device", default=None, help="plan for a built-in device profile and predict the step time")
+    where.add_argument("--profile", default=None, help="plan for a profile file (keras-lms calibrate)")
+    big.set_defaults(func=_largest)
     cal = sub.add_parser("calibrate", help="measure a device profile (host link, convolutions) on this GPU, with torch")
     cal.add_argument("--out", required=True, help="the profile JSON file to write")
     cal.add_argument("--device", default="cuda", help="the torch device to measure (default cuda)")

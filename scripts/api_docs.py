@@ -34,6 +34,8 @@ API = {
     "keras_lms:LMSConfig": ("Args", "Raises", "Example"),
     "keras_lms:report": ("Args", "Returns", "Raises", "Example"),
     "keras_lms:ActivationReport": ("Args", "Example"),
+    "keras_lms:largest_input": ("Args", "Returns", "Raises", "Example"),
+    "keras_lms:LargestInput": ("Args", "Example"),
     "keras_lms:DeviceProfile": ("Args", "Raises", "Example"),
     "keras_lms:MemoryHighWaterMark": ("Args", "Raises", "Example"),
     "keras_lms:BackupAndRestore": ("Args", "Raises", "Example"),
