@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import re
 
 import keras
 
@@ -293,10 +294,11 @@ class _Search:
                           config=self.config, device_profile=self.profile)
         except BudgetError:
             raise
-        except ValueError as err:
-            raise ValueError(f"the model does not build at input shape {shape}: {err}. Give input_shape= a shape "
-                             "it builds at and multiple= the step its axes must grow by (e.g. 16 for a U-Net of "
-                             "depth 4).") from err
+        except (ValueError, RuntimeError, TypeError) as err:  # (how each back end's tracing says shapes clash)
+            why = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(err)).split())
+            raise ValueError(f"the model does not build at input shape {shape}. Give input_shape= a shape it builds "
+                             "at and multiple= the step its axes must grow by (e.g. 16 for a U-Net of depth 4). "
+                             f"Keras said: {why[:300]}") from err
         finally:
             planner_log.setLevel(level)
 
