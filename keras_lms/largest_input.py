@@ -155,6 +155,8 @@ def largest_input(model, batch_size: int, device_budget, input_shape=None, axes=
         device_profile: a device profile (as in `keras_lms.report`): plan for that device and predict the step
             time at the answer. Defaults to `None`.
         config: a `keras_lms.LMSConfig` to plan with (as in `keras_lms.report`). Defaults to `wrap`'s.
+            The optimizer's state is counted as the report counts it: a compiled model's built optimizer's own,
+            else two slots per weight (Adam's), so compile and build yours for an answer at its state.
         plain: also find the largest shape the plain step fits (by its predicted peak with the same margin).
             Defaults to `True`.
         on_probe: called with each `Probe` as it is made (progress). Defaults to `None`.

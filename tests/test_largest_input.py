@@ -20,15 +20,24 @@ CONFIG = keras_lms.LMSConfig(min_bytes="16KiB")  # (the small U-Net's tensors ar
 BUDGET = "2MiB"
 
 
+def _compiled_unet(size=None):
+    """The small U-Net compiled with the optimizer the test trains with, built: the plan counts its state (an
+    unbuilt optimizer's is assumed, and a step at the budget's edge would be judged by another state)."""
+    model = models.unet2d(size=size)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
 @pytest.fixture(scope="module")
 def found():
-    return keras_lms.largest_input(models.unet2d(size=None), batch_size=2, device_budget=BUDGET,
-                                   input_shape=(32, 32, 1), config=CONFIG)
+    return keras_lms.largest_input(_compiled_unet(), batch_size=2, device_budget=BUDGET, input_shape=(32, 32, 1),
+                                   config=CONFIG)
 
 
 def test_the_answer_fits_and_the_next_rung_does_not(found):
     """Measured: 92x92 fits 2 MiB (plain Keras: 64x64); 96x96 is refused (2.0 MiB with the margin)."""
-    model = models.unet2d(size=None)
+    model = _compiled_unet()
     assert found.multiple == 4  # (two poolings: the model's down-sampling, inferred)
     assert found.input_shape[0] % 4 == 0 and found.input_shape[0] == found.input_shape[1]
     assert found.refused_shape == (found.input_shape[0] + 4, found.input_shape[1] + 4, 1)  # adjacent rungs
@@ -51,9 +60,10 @@ def test_the_answer_fits_and_the_next_rung_does_not(found):
 
 
 def test_the_wrapped_model_trains_at_the_answer_without_a_warning(found, caplog):
-    model = models.unet2d(size=found.input_shape[0])  # (torch's wrap plans at construction: a known size)
+    model = _compiled_unet(found.input_shape[0])  # (torch's wrap plans at construction: a known size)
     wrapped = keras_lms.wrap(model, device_budget=BUDGET, min_bytes=CONFIG.min_bytes)
     wrapped.compile(optimizer="sgd", loss="binary_crossentropy")
+    wrapped.optimizer.build(wrapped.trainable_variables)  # (the state the answer was planned with)
     x = np.random.default_rng(0).random((2, *found.input_shape)).astype("float32")
     y = (x > 0.5).astype("float32")
     with caplog.at_level(logging.WARNING, logger="keras_lms"):
@@ -64,9 +74,10 @@ def test_the_wrapped_model_trains_at_the_answer_without_a_warning(found, caplog)
     # control: one rung larger, training at batch 2 refuses the budget or plans it only without the margin,
     # with that warning
     caplog.clear()
-    larger = keras_lms.wrap(models.unet2d(size=found.refused_shape[0]), device_budget=BUDGET,
+    larger = keras_lms.wrap(_compiled_unet(found.refused_shape[0]), device_budget=BUDGET,
                             min_bytes=CONFIG.min_bytes)
     larger.compile(optimizer="sgd", loss="binary_crossentropy")
+    larger.optimizer.build(larger.trainable_variables)
     x = np.zeros((2, *found.refused_shape), "float32")
     with caplog.at_level(logging.WARNING, logger="keras_lms"):
         try:
