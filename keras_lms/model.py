@@ -17,6 +17,7 @@ import keras
 from keras_lms import _keras_adapter as adapter
 from keras_lms import batching, memory, offload, planning, saving
 from keras_lms.config import LMSConfig
+from keras_lms.offload.common import called_in_scope
 from keras_lms.planning import rules
 
 # Training/evaluation hooks a model may override; an overridden one is run on the inner model (see train_step).
@@ -197,6 +198,13 @@ class LMSModel(saving.WrappedModelFiles, keras.Model):
 
         with adapter.patched_attribute(inner, "call", offloading_call):
             yield
+
+    def make_train_function(self, force=False):
+        """Keras' train function, each call inside the back end's training-call scope where it has one
+        (TensorFlow: grappler's own swaps kept out of the wrapped step, ``offload/tensorflow/call_options.py``)."""
+        super().make_train_function(force)
+        self.train_function = called_in_scope(self.train_function, self._offload.training_call_scope)
+        return self.train_function
 
     # `*args`: TensorFlow's and torch's steps take `(data)`, JAX's stateless ones `(state, data)`.
     def train_step(self, *args):

@@ -129,6 +129,11 @@ class Backend(Protocol):
         """The device whose memory matters: the first accelerator when there is one, else the CPU."""
         ...
 
+    def training_call_scope(self) -> contextlib.AbstractContextManager | None:
+        """A scope each call of the wrapped model's train function runs in (TensorFlow: grappler's own swaps kept
+        out, ``offload/tensorflow/call_options.py``), or None where the back end needs none."""
+        ...
+
     def reset_device_peak(self, device: str) -> None:
         """Restart the peak of `device`'s allocator; `DeviceStatsUnavailable` when it keeps no statistics."""
         ...

@@ -319,3 +319,27 @@ def given_moments(unit, moments):
         return
     with adapter.patched_attribute(unit, hook, lambda inputs, mask: moments(inputs)):
         yield
+
+
+def no_training_call_scope() -> None:
+    """``Backend.training_call_scope`` of a back end whose train function needs no scope (torch, JAX)."""
+    return None
+
+
+def called_in_scope(function, scope):
+    """``function`` (a train function), each call inside the context manager ``scope()`` returns (none where it
+    returns None); ``function`` itself where it is None or already scoped (``make_train_function`` returns the
+    function it made before)."""
+    if function is None or getattr(function, "lms_scoped", False):
+        return function
+
+    def scoped(*args, **kwargs):
+        context = scope()
+        if context is None:
+            return function(*args, **kwargs)
+        with context:
+            return function(*args, **kwargs)
+
+    scoped.lms_scoped = True
+    scoped.lms_unscoped = function
+    return scoped

@@ -25,7 +25,8 @@ transfers. A check of the traced graph cannot see either, so ``simulate`` asks T
    each device, and the most bytes live at once on the GPU.
 
 ``simulate(..., gpu_memory_bytes=M)`` runs step 3 as on a GPU of M bytes: grappler's memory optimizer then
-swaps by itself when its estimate of the graph exceeds M, as it does on a real device (issue 28;
+swaps by itself when its estimate of the graph exceeds M, as it does on a real device, with the options the step
+runs with (a wrapped model's train function keeps grappler's swaps out: ``step_memory_optimization``) (issue 28;
 keras_lms/testing/grappler_swaps.py registers its swap ops so that the passes after it run as on a GPU build).
 Step 4 still runs on a 1 TiB cluster, and step 5 counts each swap's host copy on the host and its copy back on
 the GPU from grappler's trigger on. Grappler's choice of swaps is not deterministic (it walks containers keyed
@@ -102,7 +103,8 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
         else:
             sized = virtual_cluster(timeline=False, gpu_memory_bytes=gpu_memory_bytes)
             try:
-                optimized = optimize(traced.graph_def, traced.fetch, sized)
+                optimized = optimize(traced.graph_def, traced.fetch, sized,
+                                     memory_optimization=step_memory_optimization(model))
             finally:
                 sized.Shutdown()
         estimate, before_memory_pass = -1, None
@@ -124,6 +126,18 @@ def simulate(model, x_shape, y_shape, dtype="float32", optimizer="adam", graph_m
                       gpu_memory_bytes=gpu_memory_bytes or 0, grappler_swaps=swaps,
                       grappler_swap_bytes=gpu.grappler_swap_bytes, grappler_estimate_bytes=estimate,
                       before_memory_pass=before_memory_pass, fetch=traced.fetch, optimized=optimized)
+
+
+def step_memory_optimization(model) -> int | None:
+    """The memory optimizer's setting ``model``'s training step runs at: a wrapped model's train function runs
+    without grappler's swaps (``call_options.without_grappler_swaps``; ``KEEP_GRAPPLER_SWAPS_OUT = False``: with
+    them), a plain model at TensorFlow's default (None)."""
+    from keras_lms.model import LMSModel
+    from keras_lms.offload.tensorflow import call_options
+
+    if isinstance(model, LMSModel) and call_options.KEEP_GRAPPLER_SWAPS_OUT:
+        return call_options.swap_free(call_options.RewriterConfig.DEFAULT_MEM_OPT)
+    return None
 
 
 def executed_buffers(model, x_shape, y_shape, dtype="float32", optimizer="adam") -> list:

@@ -61,17 +61,21 @@ def _metagraph(graph_def, fetch):
     return metagraph
 
 
-def optimize(graph_def, fetch, cluster, until_memory_pass: bool = False):
+def optimize(graph_def, fetch, cluster, until_memory_pass: bool = False, memory_optimization: int | None = None):
     """Grappler's default pipeline (default RewriterConfig) for this cluster: the graph TensorFlow runs.
 
     ``until_memory_pass``: the graph grappler's memory optimizer is given on its first run instead: the first
     of the meta optimizer's two iterations, without the memory pass (the passes after it, auto-parallel and the
     scoped allocator, are off by default). Its ``grappler_memory_estimate`` is what decides grappler's swaps.
+    ``memory_optimization``: the memory optimizer's setting, as a wrapped step runs it
+    (``offload/tensorflow/call_options.py``: no swaps of grappler's); default TensorFlow's.
     """
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import tf_optimizer
 
     config = config_pb2.ConfigProto()
+    if memory_optimization is not None:
+        config.graph_options.rewrite_options.memory_optimization = memory_optimization
     if until_memory_pass:
         rewriter = config.graph_options.rewrite_options
         rewriter.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE

@@ -22,6 +22,7 @@ numerics, not the offload: ``make test-jax-compile`` checks the offload in the c
 
 from __future__ import annotations
 
+from keras_lms.offload.common import no_training_call_scope as training_call_scope
 from keras_lms.offload.common import offloadable_reason
 from keras_lms.offload.jax.devices import (
     default_device,
@@ -53,5 +54,5 @@ __all__ = [
     # the back-end contract (keras_lms.offload.Backend)
     "StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
     "input_gradient_from_output", "memory_facts", "offloadable_reason", "reset_device_peak", "resolve_jit_compile",
-    "signature_of", "spec_for", "trace_calls", "validate_host_device",
+    "signature_of", "spec_for", "trace_calls", "training_call_scope", "validate_host_device",
 ]

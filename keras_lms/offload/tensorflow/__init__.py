@@ -23,13 +23,15 @@ The modules: ``step`` (the step context), ``record`` (what it keeps of one call,
 ``recompute_scopes`` (BatchNorm statistics and fused activations in the recompute), ``output_gradients`` (the
 output-based gradient kernels; ``StepContext`` looks them up there, and tests replace them there to count their
 uses), ``slabs`` and ``slab_plan`` (slab-wise forward and backward, and where a call is cut), ``tracing`` (the
-planning trace), ``devices`` (host device, allocator statistics) and ``step_memory`` (the planner's
+planning trace), ``devices`` (host device, allocator statistics), ``call_options`` (grappler's own swaps kept out of the
+wrapped step) and ``step_memory`` (the planner's
 ``BackendFacts`` for this back end). This package re-exports the back-end contract (``keras_lms.offload.Backend``).
 """
 
 
 from keras_lms.offload.common import offloadable_reason
 from keras_lms.offload.common import without_xla as resolve_jit_compile
+from keras_lms.offload.tensorflow.call_options import without_grappler_swaps as training_call_scope
 from keras_lms.offload.tensorflow.devices import (
     default_device,
     device_peak_bytes,
@@ -49,4 +51,4 @@ from keras_lms.offload.tensorflow.tracing import example_inputs, signature_of, s
 __all__ = ["StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
            "fused_activation_grad", "input_gradient_from_output", "memory_facts", "offloadable_reason",
            "reads_own_output", "reset_device_peak", "resolve_jit_compile", "signature_of", "spec_for", "trace_calls",
-           "validate_host_device"]
+           "training_call_scope", "validate_host_device"]

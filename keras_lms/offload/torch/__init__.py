@@ -65,6 +65,7 @@ the model was given its own (``offloader_of(wrapped).cpu_host_copies`` / ``.max_
 
 from __future__ import annotations
 
+from keras_lms.offload.common import no_training_call_scope as training_call_scope
 from keras_lms.offload.common import offloadable_reason
 from keras_lms.offload.common import without_xla as resolve_jit_compile
 from keras_lms.offload.torch.devices import (
@@ -98,7 +99,7 @@ __all__ = [
     # the back-end contract (keras_lms.offload.Backend)
     "StepContext", "default_device", "device_peak_bytes", "example_inputs", "executing_eagerly",
     "input_gradient_from_output", "memory_facts", "offloadable_reason", "reset_device_peak", "resolve_jit_compile",
-    "signature_of", "spec_for", "trace_calls", "validate_host_device",
+    "signature_of", "spec_for", "trace_calls", "training_call_scope", "validate_host_device",
     # the machinery (tests and benchmarks)
     "HostBufferPool", "Offloader", "Transfer", "TransferCounter", "TransferStats", "clear_host_pool", "host_pool",
     "offloader_of", "reset_transfer_stats", "runs_plainly", "swap_in_order", "transfer_stats",

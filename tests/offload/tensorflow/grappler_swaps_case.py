@@ -2,7 +2,9 @@
 
 A chain of Dense layers whose activations dominate its peak, simulated three times: on a 1 TiB GPU (grappler
 never swaps), on a GPU 10% smaller than grappler's own estimate of the step (its memory optimizer swaps), and on
-one 5% larger (the control: it must not). Prints one JSON object.
+one 5% larger (the control: it must not). Then the same chain wrapped (nothing offloaded), on a GPU 10% smaller than grappler's estimate
+of the wrapped step: with its train function's options (``call_options``: grappler's swaps kept out) and, as the
+control, with ``KEEP_GRAPPLER_SWAPS_OUT = False``. Prints one JSON object.
 """
 
 import json
@@ -18,6 +20,8 @@ from keras_lms.testing.logical_devices import configure_logical_cpus
 configure_logical_cpus()
 
 from benchmarks.simulated_gpu_peak import dense_chain  # noqa: E402
+import keras_lms  # noqa: E402
+from keras_lms.offload.tensorflow import call_options  # noqa: E402
 from keras_lms.testing import simulated_gpu  # noqa: E402
 
 WIDTH, DEPTH, BATCH = 256, 12, 4096  # 4 MiB activations, 256 KiB weights
@@ -36,5 +40,14 @@ unlimited = simulated_gpu.simulate(model, shape, shape, optimizer=None, grappler
 estimate = unlimited.grappler_estimate_bytes
 smaller = simulated_gpu.simulate(model, shape, shape, optimizer=None, gpu_memory_bytes=int(0.9 * estimate))
 larger = simulated_gpu.simulate(model, shape, shape, optimizer=None, gpu_memory_bytes=int(1.05 * estimate))
+wrapped = keras_lms.wrap(dense_chain(WIDTH, DEPTH), min_bytes="1GiB")  # (nothing offloaded: the plain step's graph)
+wrapped_estimate = simulated_gpu.simulate(wrapped, shape, shape, optimizer=None,
+                                          grappler_estimate=True).grappler_estimate_bytes
+wrapped_smaller = simulated_gpu.simulate(wrapped, shape, shape, optimizer=None,
+                                         gpu_memory_bytes=int(0.9 * wrapped_estimate))
+call_options.KEEP_GRAPPLER_SWAPS_OUT = False
+wrapped_control = simulated_gpu.simulate(wrapped, shape, shape, optimizer=None,
+                                         gpu_memory_bytes=int(0.9 * wrapped_estimate))
 print(json.dumps(dict(tensor_bytes=BATCH * WIDTH * 4, unlimited=summary(unlimited), smaller=summary(smaller),
-                      larger=summary(larger))))
+                      larger=summary(larger), wrapped_smaller=summary(wrapped_smaller),
+                      wrapped_control=summary(wrapped_control))))

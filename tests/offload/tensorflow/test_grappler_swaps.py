@@ -61,3 +61,11 @@ def test_control_no_swaps_when_the_estimate_fits(runs):
     larger = runs["larger"]
     assert larger["swaps"] == [] and larger["swap_bytes"] == 0, larger
     assert larger["peak"] == runs["unlimited"]["peak"], larger
+
+
+def test_a_wrapped_step_runs_without_grappler_swaps(runs):
+    """A wrapped model's train function runs with grappler's swapping pass off (``call_options``); the simulator
+    optimises it so (``step_memory_optimization``): on a GPU 10% smaller than grappler's estimate of the wrapped
+    step, no swap of grappler's; the control (``KEEP_GRAPPLER_SWAPS_OUT = False``) swaps."""
+    assert runs["wrapped_smaller"]["swaps"] == [] and runs["wrapped_smaller"]["swap_bytes"] == 0, runs
+    assert runs["wrapped_control"]["swaps"], runs["wrapped_control"]
