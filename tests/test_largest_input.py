@@ -5,6 +5,7 @@ answer does on the executed graph: tests/offload/tensorflow/test_simulated_peak.
 
 import json
 import logging
+import pathlib
 import subprocess
 import sys
 
@@ -162,3 +163,14 @@ def test_cli_largest(tmp_path):
     assert none.returncode == 1 and "No input fits" in none.stdout
     bad = subprocess.run(cmd + ["--budget", "64MiB", "--axes", "x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--axes 'x' is not a list of axes" in bad.stderr
+
+
+@pytest.mark.tensorflow(reason="the benchmark's table is TensorFlow's (docs/benchmarks.md); one back end suffices")
+def test_the_benchmark_prints_its_table(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/largest_input.py", "--budgets", "256MiB", "--policies",
+                          "float32", "--start", "32", "--json", str(tmp_path / "rows.json")], capture_output=True,
+                         text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows) == 1 and rows[0]["input_shape"][0] == 64 and rows[0]["plain_input_shape"][0] == 32, rows
+    assert "largest input that fits" in out.stdout and "64^3" in out.stdout

@@ -2,9 +2,9 @@
 
 A chain of Dense layers whose activations dominate its peak, simulated three times: on a 1 TiB GPU (grappler
 never swaps), on a GPU 10% smaller than grappler's own estimate of the step (its memory optimizer swaps), and on
-one 5% larger (the control: it must not). Then the same chain wrapped (nothing offloaded), on a GPU 10% smaller than grappler's estimate
-of the wrapped step: with its train function's options (``call_options``: grappler's swaps kept out) and, as the
-control, with ``KEEP_GRAPPLER_SWAPS_OUT = False``. Prints one JSON object.
+one 5% larger (the control: it must not). Then the same chain wrapped (nothing offloaded), on a GPU 10% smaller
+than grappler's estimate of the wrapped step: with its train function's options (``call_options``: grappler's
+swaps kept out) and, as the control, with ``KEEP_GRAPPLER_SWAPS_OUT = False``. Prints one JSON object.
 """
 
 import json
@@ -19,8 +19,8 @@ from keras_lms.testing.logical_devices import configure_logical_cpus
 
 configure_logical_cpus()
 
-from benchmarks.simulated_gpu_peak import dense_chain  # noqa: E402
 import keras_lms  # noqa: E402
+from benchmarks.simulated_gpu_peak import dense_chain  # noqa: E402
 from keras_lms.offload.tensorflow import call_options  # noqa: E402
 from keras_lms.testing import simulated_gpu  # noqa: E402
 
