@@ -21,6 +21,7 @@ import keras
 
 from keras_lms.config import LMSConfig, format_bytes, parse_bytes
 from keras_lms.planning import BudgetError
+from keras_lms.planning.device_profile import load_profile
 from keras_lms.report import ActivationReport, report
 
 
@@ -166,9 +167,10 @@ def largest_input(model, batch_size: int, device_budget, input_shape=None, axes=
         `.probes`, `.to_text()`.
 
     Raises:
-        TypeError: `model` is not a `keras.Model`.
-        ValueError: `batch_size`, `device_budget`, `input_shape`, `axes` or `multiple` is not valid, the model
-            has more than one input or no known input shape, or it does not build at a probed shape.
+        TypeError: `model` is not a `keras.Model`, `config` not an `LMSConfig` or `on_probe` not callable.
+        ValueError: `batch_size`, `device_budget`, `input_shape`, `axes`, `multiple` or `device_profile` is not
+            valid, the model has more than one input or no known input shape, or it does not build at a probed
+            shape.
 
     Example:
 
@@ -186,7 +188,18 @@ def largest_input(model, batch_size: int, device_budget, input_shape=None, axes=
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"largest_input expects a keras.Model or a wrapped model; got {type(model).__name__}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
     budget = parse_bytes(device_budget, "device_budget")
+    if budget <= 0:
+        raise ValueError(f"device_budget must be positive, e.g. device_budget='16GiB'; got {device_budget!r}.")
+    if config is not None and not isinstance(config, LMSConfig):
+        raise TypeError(f"config must be a keras_lms.LMSConfig, e.g. config=keras_lms.LMSConfig(min_bytes='1MiB'); "
+                        f"got {type(config).__name__}.")
+    if on_probe is not None and not callable(on_probe):
+        raise TypeError(f"on_probe must be a function taking each Probe (or None); got {type(on_probe).__name__}.")
+    if device_profile is not None:
+        device_profile = load_profile(device_profile)  # (its error before any probe, not as a probe's)
     start = _start_shape(model, input_shape)
     axes = _grown_axes(axes, len(start))
     if multiple is None:

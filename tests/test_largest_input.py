@@ -135,6 +135,11 @@ def _two_inputs():
     ("unet", dict(input_shape=None), ValueError, "give largest_input a start shape"),
     ("unet", dict(multiple=3), ValueError, "does not build at input shape .* multiple="),
     ("unet", dict(device_budget="lots"), ValueError, "device_budget"),
+    ("unet", dict(device_budget="0MiB"), ValueError, "device_budget must be positive"),
+    ("unet", dict(batch_size=0), ValueError, "batch_size must be a positive integer"),
+    ("unet", dict(device_profile="h100-pcie9"), ValueError, "h100-pcie9"),
+    ("unet", dict(config={"min_bytes": 0}), TypeError, "config must be a keras_lms.LMSConfig"),
+    ("unet", dict(on_probe=3), TypeError, "on_probe must be a function"),
     ("two", dict(), ValueError, "largest_input grows one input"),
     ("none", dict(), TypeError, "expects a keras.Model"),
 ])
