@@ -105,6 +105,10 @@ def default_device() -> str:
     return "/fake:0"
 
 
+def training_call_scope():
+    return None
+
+
 def reset_device_peak(device: str) -> None:
     raise DeviceStatsUnavailable("the fake back end has no allocator")
 
