@@ -19,6 +19,7 @@ import re
 
 import keras
 
+from keras_lms import input_shapes
 from keras_lms.config import LMSConfig, format_bytes, parse_bytes
 from keras_lms.planning import BudgetError
 from keras_lms.planning.device_profile import load_profile
@@ -144,7 +145,8 @@ def largest_input(model, batch_size: int, device_budget, input_shape=None, axes=
     planner's margin. The search doubles the shape until the planner refuses and then bisects.
 
     Args:
-        model: a built `keras.Model` with one input, or a `keras_lms.LMSModel` (its settings are used).
+        model: a built `keras.Model` with one input, or a `keras_lms.LMSModel` (its settings are used). A model
+            whose input fixes the grown axes' sizes is probed through a clone with them open.
         batch_size: samples per step per rank (a positive int).
         device_budget: bytes or a size string such as `"16GiB"`.
         input_shape: the shape to start from and whose proportions are kept (one sample, no batch axis).
@@ -200,10 +202,11 @@ def largest_input(model, batch_size: int, device_budget, input_shape=None, axes=
         raise TypeError(f"on_probe must be a function taking each Probe (or None); got {type(on_probe).__name__}.")
     if device_profile is not None:
         device_profile = load_profile(device_profile)  # (its error before any probe, not as a probe's)
-    start = _start_shape(model, input_shape)
-    axes = _grown_axes(axes, len(start))
+    start = input_shapes.start_shape(model, input_shape)
+    axes = input_shapes.grown_axes(axes, len(start))
+    model, config = input_shapes.open_sized(model, axes, config)
     if multiple is None:
-        multiple = _down_sampling(model, batch_size, start, axes, config)
+        multiple = input_shapes.down_sampling(model, batch_size, start, axes, config)
     elif isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral) or multiple < 1:
         raise ValueError(f"multiple must be a positive integer (every grown axis is a multiple of it, e.g. 16 for a "
                          f"U-Net of depth 4); got {multiple!r}.")
@@ -320,7 +323,7 @@ class _Search:
     def _input_itemsize(self) -> int:
         import numpy as np
 
-        inputs = getattr(_inner(self.model), "inputs", None) or []
+        inputs = getattr(input_shapes.inner_model(self.model), "inputs", None) or []
         dtype = getattr(inputs[0], "dtype", None) if inputs else None
         return np.dtype(keras.backend.standardize_dtype(dtype or "float32")).itemsize
 
@@ -331,51 +334,3 @@ def _seconds(seconds: float) -> str:
 
 def _shape_text(shape) -> str:
     return "x".join(map(str, shape))
-
-
-def _start_shape(model, input_shape) -> tuple:
-    inputs = getattr(_inner(model), "inputs", None) or []
-    if len(inputs) > 1:
-        raise ValueError(f"largest_input grows one input; model {model.name!r} has {len(inputs)}. Use "
-                         "keras_lms.report(..., input_shape=...) at the shapes you want to compare.")
-    if input_shape is None:
-        own = tuple(inputs[0].shape[1:]) if inputs else ()
-        if not own or any(d is None for d in own):
-            raise ValueError(f"model {model.name!r} does not record a full input shape ({own or 'none'}): give "
-                             "largest_input a start shape, e.g. input_shape=(64, 64, 64, 1).")
-        input_shape = own
-    dims = list(input_shape) if isinstance(input_shape, (list, tuple)) else None
-    if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
-        raise ValueError("input_shape must be one sample's shape without the batch axis, a tuple of positive "
-                         f"integers such as (64, 64, 64, 1); got {input_shape!r}.")
-    return tuple(int(d) for d in dims)
-
-
-def _grown_axes(axes, rank: int) -> tuple:
-    if axes is None:
-        channels_first = keras.config.image_data_format() == "channels_first"
-        return tuple(range(1, rank)) if channels_first and rank > 1 else tuple(range(max(rank - 1, 1)))
-    values = list(axes) if isinstance(axes, (list, tuple)) else None
-    if (not values or len(set(values)) != len(values)
-            or any(isinstance(a, bool) or not isinstance(a, numbers.Integral) or not 0 <= a < rank for a in values)):
-        raise ValueError(f"axes must be distinct sample axes from 0 to {rank - 1} (the batch axis is not one), e.g. "
-                         f"axes=(0, 1, 2) for a volume's three spatial axes; got {axes!r}.")
-    return tuple(sorted(int(a) for a in values))
-
-
-def _down_sampling(model, batch_size: int, start: tuple, axes: tuple, config) -> int:
-    """The largest power of two that the model's layers divide the grown axes by (at ``start``): the start
-    size over the smallest size any layer output of the input's rank has on that axis."""
-    rep = report(model, batch_size, input_shape=start, config=config)
-    rank = len(start) + 1
-    factor = None
-    for a in axes:
-        sizes = [s[a + 1] for row in rep.rows for s in row["output_shape"] if len(s) == rank and s[a + 1]]
-        ratio = start[a] / min(sizes) if sizes else 1
-        power = 2 ** max(0, math.floor(math.log2(max(ratio, 1))))
-        factor = power if factor is None else min(factor, power)
-    return factor or 1
-
-
-def _inner(model):
-    return getattr(model, "inner_model", model)

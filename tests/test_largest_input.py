@@ -98,6 +98,18 @@ def test_the_result_prints_and_serialises(found):
     assert [tuple(p["input_shape"]) for p in data["probes"] if p["fits"]][-1] <= tuple(found.input_shape)
 
 
+def test_a_model_built_for_one_size_is_searched_through_a_clone(found):
+    """A model whose input fixes its sizes (as a saved model usually does) refuses every other size; the search
+    probes a clone with the grown axes open, compiled with its optimizer, and finds what the open model finds,
+    wrapped too (with the wrapped model's settings)."""
+    fixed = keras_lms.largest_input(_compiled_unet(32), batch_size=2, device_budget=BUDGET, config=CONFIG)
+    assert fixed.input_shape == found.input_shape and fixed.plain_input_shape == found.plain_input_shape
+    wrapped = keras_lms.wrap(_compiled_unet(32), min_bytes=CONFIG.min_bytes)
+    wrapped.compile(optimizer="sgd", loss="binary_crossentropy")
+    wrapped.optimizer.build(wrapped.trainable_variables)
+    assert keras_lms.largest_input(wrapped, batch_size=2, device_budget=BUDGET).input_shape == found.input_shape
+
+
 def test_the_search_doubles_then_bisects():
     """On a ladder with a known boundary (rung 37), with a counting oracle: the answer, in at most
     2 * log2(boundary) + 2 questions; a first rung that does not fit bisects down; nothing fits: 0."""
