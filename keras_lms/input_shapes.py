@@ -75,7 +75,7 @@ def open_sized(model, axes: tuple, config) -> tuple:
         return model, config
     opened = tuple(None if a in axes else d for a, d in enumerate(shape))
     try:
-        clone = keras.models.clone_model(inner, input_tensors=keras.Input(opened, dtype=inner.inputs[0].dtype))
+        clone = keras.models.clone_model(inner, input_tensors=keras.Input(opened, dtype=inputs[0].dtype))
     except Exception as err:  # (subclassed models, layers without configs: Keras' own reasons, named below)
         raise ValueError(f"model {model.name!r} takes input shape {shape} only, and cannot be rebuilt with the grown "
                          f"axes open ({type(err).__name__}: {err}). Build it on an input with those sizes left "

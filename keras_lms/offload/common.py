@@ -341,5 +341,4 @@ def called_in_scope(function, scope):
             return function(*args, **kwargs)
 
     scoped.lms_scoped = True
-    scoped.lms_unscoped = function
     return scoped

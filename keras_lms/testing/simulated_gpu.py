@@ -135,8 +135,8 @@ def step_memory_optimization(model) -> int | None:
     from keras_lms.model import LMSModel
     from keras_lms.offload.tensorflow import call_options
 
-    if isinstance(model, LMSModel) and call_options.KEEP_GRAPPLER_SWAPS_OUT:
-        return call_options.swap_free(call_options.RewriterConfig.DEFAULT_MEM_OPT)
+    if isinstance(model, LMSModel):
+        return call_options.wrapped_step_setting(call_options.RewriterConfig.DEFAULT_MEM_OPT)
     return None
 
 

@@ -63,6 +63,12 @@ def swap_free(memory_optimization: int) -> int:
     return WITHOUT_SWAPS if memory_optimization in SWAPPING else memory_optimization
 
 
+def wrapped_step_setting(memory_optimization: int) -> int:
+    """What a wrapped step runs at, given the process's setting: ``swap_free`` of it, or it as it is with the
+    control off (the simulator asks this too, ``simulated_gpu.step_memory_optimization``)."""
+    return swap_free(memory_optimization) if KEEP_GRAPPLER_SWAPS_OUT else memory_optimization
+
+
 @contextlib.contextmanager
 def rewritten_calls(edit):
     """Function calls made inside run with the calling thread's grappler options edited by ``edit`` (called with
@@ -86,6 +92,6 @@ def without_grappler_swaps():
     check()
 
     def edit(rewrite):
-        rewrite.memory_optimization = swap_free(rewrite.memory_optimization)
+        rewrite.memory_optimization = wrapped_step_setting(rewrite.memory_optimization)
 
     return rewritten_calls(edit)
