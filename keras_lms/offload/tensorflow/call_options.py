@@ -69,6 +69,15 @@ def wrapped_step_setting(memory_optimization: int) -> int:
     return swap_free(memory_optimization) if KEEP_GRAPPLER_SWAPS_OUT else memory_optimization
 
 
+def swaps_in_wrapped_step() -> bool:
+    """Whether grappler's swapping heuristics would run in a wrapped step called from this thread now: only with
+    the control off or where the process's setting already swaps nothing it would add. The budget planner asks
+    (``grappler_estimate.room_for_keeps``) when it plans, so a setting changed between ``wrap`` and ``fit`` is not
+    seen."""
+    current = config_pb2.ConfigProto.FromString(context.context().function_call_options.config_proto_serialized)
+    return wrapped_step_setting(current.graph_options.rewrite_options.memory_optimization) in SWAPPING
+
+
 @contextlib.contextmanager
 def rewritten_calls(edit):
     """Function calls made inside run with the calling thread's grappler options edited by ``edit`` (called with

@@ -99,6 +99,22 @@ def test_a_user_setting_other_than_the_swapping_ones_is_kept():
         assert call_options.swap_free(kept) == kept
 
 
+def test_whether_the_wrapped_step_swaps_follows_the_setting_it_runs_at(monkeypatch):
+    """``swaps_in_wrapped_step`` (which the budget planner's keep search asks, ``grappler_estimate``): never with the
+    swaps kept out; with the control off, at TensorFlow's default yes, under a user's ``NO_MEM_OPT`` (the calling
+    thread's options) no."""
+    assert not call_options.swaps_in_wrapped_step()
+    monkeypatch.setattr(call_options, "KEEP_GRAPPLER_SWAPS_OUT", False)
+    assert call_options.swaps_in_wrapped_step()
+
+    def no_memory_optimizer(rewrite):
+        rewrite.memory_optimization = RewriterConfig.NO_MEM_OPT
+
+    with call_options.rewritten_calls(no_memory_optimizer):
+        assert not call_options.swaps_in_wrapped_step()
+    assert call_options.swaps_in_wrapped_step()
+
+
 def test_the_private_tensorflow_api_is_there_and_its_absence_is_named(monkeypatch):
     call_options.check()  # (TensorFlow has it today)
     monkeypatch.delattr(context, "FunctionCallOptions")

@@ -164,12 +164,21 @@ def test_the_largest_float32_cube_with_a_profile_gets_the_defaults_plan_without_
 
 
 def test_no_keep_search_where_grappler_would_swap_by_itself(mixed_precision, monkeypatch):
-    """``grappler_estimate.room_for_keeps``: at 496^3 mixed_float16 four level-0 tensors (14.6 GiB) do not fit
-    16 GiB with the margin, and calls kept on the device made grappler's own estimate 16.77 GiB and swap 56 GiB
-    each way on a 16 GiB GPU (``simulated_gpu_peak.py --like-for-like``; without keeps 15.77, no swaps): the keep
-    search does not run there. At 448^3 (10.7 GiB) it does. The control: with room assumed, 496^3 keeps calls."""
+    """``grappler_estimate.room_for_keeps``: where grappler's swaps run in the wrapped step (the control
+    ``call_options.KEEP_GRAPPLER_SWAPS_OUT = False``), at 496^3 mixed_float16 four level-0 tensors (14.6 GiB) do
+    not fit 16 GiB with the margin, and calls kept on the device made grappler's own estimate 16.77 GiB and swap
+    56 GiB each way on a 16 GiB GPU (``simulated_gpu_peak.py --like-for-like``; without keeps 15.77, no swaps):
+    the keep search does not run there. At 448^3 (10.7 GiB) it does. With the swaps kept out (the default) it runs
+    at 496^3 too (its plans' executed peaks: docs/benchmarks.md, "Keeps at the edge"); and with the control off and
+    room assumed, 496^3 keeps calls."""
+    from keras_lms.offload.tensorflow import call_options
+
     kept = lambda report: [r["layer"] for r in report.rows if r["reason"].startswith("kept: device_budget")]  # noqa: E731
     large = unet((496, 496, 496, 1), 16)
+    assert call_options.KEEP_GRAPPLER_SWAPS_OUT and not call_options.swaps_in_wrapped_step()
+    assert kept(keras_lms.report(large, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5"))
+    monkeypatch.setattr(call_options, "KEEP_GRAPPLER_SWAPS_OUT", False)
+    assert call_options.swaps_in_wrapped_step()
     assert not kept(keras_lms.report(large, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5"))
     smaller = unet((448, 448, 448, 1), 16)
     assert kept(keras_lms.report(smaller, batch_size=1, device_budget="16GiB", device_profile="h100-pcie5"))
