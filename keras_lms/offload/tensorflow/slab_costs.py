@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import keras
+
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import derived_from_calls, tensor_bytes
 from keras_lms.planning.traffic import SlabTraffic
 
 
@@ -49,12 +51,31 @@ def read_parts(calls, i, parts, batch_size: int):
     return [(k, s, -1) for k, s in zip(call.keys, sizes)], False
 
 
-def _producers(calls) -> dict:
+def concatenation_parts(calls, batch_size: int) -> dict:
+    """Output key of a last-axis Concatenate call -> (its index, its input shapes, its input sizes); kept per call
+    list (``derived_from_calls``: callers only read it)."""
+    return derived_from_calls(calls, "concatenation_parts", lambda: _concatenation_parts(calls, batch_size),
+                              batch_size)
+
+
+def _concatenation_parts(calls, batch_size: int) -> dict:
     out = {}
     for i, call in enumerate(calls):
-        for key in call.output_keys:
-            out[key] = i
+        if type(call.unit) is not keras.layers.Concatenate or len(call.keys) < 2 or not call.output_keys:
+            continue
+        rank = len(call.output_shapes[0])
+        if call.unit.axis % rank != rank - 1:
+            continue
+        shapes = [[batch_size if d is None else d for d in shape] for shape in call.shapes]
+        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
+        out[call.output_keys[0]] = (i, shapes, sizes)
     return out
+
+
+def _producers(calls) -> dict:
+    """Output key -> index of the call that makes it (kept per call list, as ``concatenation_parts``)."""
+    return derived_from_calls(calls, "producers", lambda: {key: i for i, call in enumerate(calls)
+                                                             for key in call.output_keys})
 
 
 def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabTraffic:

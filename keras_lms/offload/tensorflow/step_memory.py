@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
-
 from keras_lms.offload.tensorflow import pooling_folds, recompute_candidates, slab_chains, slab_costs, slab_plan, sweeps
 from keras_lms.offload.tensorflow.grappler_estimate import room_for_keeps
+from keras_lms.offload.tensorflow.slab_costs import concatenation_parts
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, plan_slabs
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.backend_facts import SweepTiming
@@ -82,21 +81,6 @@ def slab_plans(calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         if plan is not None:
             plans[i] = plan
     return pooling_folds.aligned(calls, offloaded, plans, FACTS)  # (a folding activation: its pooling's windows)
-
-
-def concatenation_parts(calls, batch_size: int) -> dict:
-    """Output key of a last-axis Concatenate call -> (its index, its input shapes, its input sizes)."""
-    out = {}
-    for i, call in enumerate(calls):
-        if type(call.unit) is not keras.layers.Concatenate or len(call.keys) < 2 or not call.output_keys:
-            continue
-        rank = len(call.output_shapes[0])
-        if call.unit.axis % rank != rank - 1:
-            continue
-        shapes = [[batch_size if d is None else d for d in shape] for shape in call.shapes]
-        sizes = [tensor_bytes(s, d, batch_size) for s, d in zip(call.shapes, call.dtypes)]
-        out[call.output_keys[0]] = (i, shapes, sizes)
-    return out
 
 
 def elided_concatenations(calls, plans: dict, batch_size: int) -> dict:
