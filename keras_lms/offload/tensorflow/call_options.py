@@ -71,7 +71,7 @@ def wrapped_step_setting(memory_optimization: int) -> int:
 
 def swaps_in_wrapped_step() -> bool:
     """Whether grappler's swapping heuristics would run in a wrapped step called from this thread now: only with
-    the control off or where the process's setting already swaps nothing it would add. The budget planner asks
+    the control off and the thread's setting one that swaps (TensorFlow's default among them). The planner asks
     (``grappler_estimate.room_for_keeps``) when it plans, so a setting changed between ``wrap`` and ``fit`` is not
     seen."""
     current = config_pb2.ConfigProto.FromString(context.context().function_call_options.config_proto_serialized)

@@ -12,9 +12,9 @@ swap 28-56 GiB each way; 384^3 float32 and 448^3 mixed_float16 (13.5 and 10.7 Gi
 nothing. So the keep search ran only where four of the largest tensors fit the budget with the planner's margin.
 
 Since the wrapped step is called without grappler's swaps (``call_options``, session 31) that bound applies only
-where they still run: with the control ``call_options.KEEP_GRAPPLER_SWAPS_OUT = False``. Without it the keep search
-runs at every edge, and the executed graph on a virtual GPU of the budget's size checks the plans it makes there
-(docs/benchmarks.md, "Keeps at the edge").
+where they still run: with the control ``call_options.KEEP_GRAPPLER_SWAPS_OUT = False``. With the swaps kept out
+the keep search runs at every edge, and the executed graph on a virtual GPU of the budget's size checks the plans
+it makes there (docs/benchmarks.md, "Keeps at the edge").
 """
 
 from __future__ import annotations
