@@ -148,18 +148,19 @@ class RawCall:
     derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
-def derived_from_calls(calls, name: str, compute, *key):
+def derived_from_calls(calls, name: str, compute, *key, limit: int | None = None):
     """``compute()``, a fact of the whole traced call list, kept on its first call (``RawCall.derived``) under
-    ``name``, the calls' identities and ``key``. Why: the planner's searches ask for the same list's facts hundreds
-    of thousands of times, and one pass over the list per question made planning quadratic in the calls (a
-    concatenation's parts, asked per slab call per predicted step, were a third of DenseNet121's planning)."""
+    ``name``, the calls' identities and ``key``; the oldest of ``limit`` (default ``DERIVED_LISTS``) is dropped
+    first. Why: the planner's searches ask for the same list's facts hundreds of thousands of times, and one pass
+    over the list per question made planning quadratic in the calls (a concatenation's parts, asked per slab call
+    per predicted step, were a third of DenseNet121's planning)."""
     cache = getattr(calls[0], "derived", None) if calls else None
     if cache is None:
         return compute()
     known = cache.setdefault(name, {})
     full = (tuple(map(id, calls)), *key)
     if full not in known:
-        if len(known) >= DERIVED_LISTS:
+        if len(known) >= (DERIVED_LISTS if limit is None else limit):
             known.pop(next(iter(known)))
         known[full] = compute()
     return known[full]

@@ -20,7 +20,7 @@ import keras
 from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward
 from keras_lms.planning import layer_facts
 from keras_lms.planning.call_costs import call_cost
-from keras_lms.planning.plan import derived_from_calls, tensor_bytes
+from keras_lms.planning.plan import call_graph, derived_from_calls, tensor_bytes
 from keras_lms.planning.traffic import SlabTraffic
 
 
@@ -74,8 +74,7 @@ def _concatenation_parts(calls, batch_size: int) -> dict:
 
 def _producers(calls) -> dict:
     """Output key -> index of the call that makes it (kept per call list, as ``concatenation_parts``)."""
-    return derived_from_calls(calls, "producers", lambda: {key: i for i, call in enumerate(calls)
-                                                             for key in call.output_keys})
+    return derived_from_calls(calls, "producers", lambda: call_graph(calls)[0])
 
 
 def slab_traffic(calls, i, plan, offloaded_row, parts, batch_size: int) -> SlabTraffic:

@@ -40,7 +40,7 @@ from keras_lms.offload.tensorflow.slab_plan import computes_in_slabs_forward, pl
 from keras_lms.planning import BackendFacts, layer_facts
 from keras_lms.planning.backend_facts import SweepTiming
 from keras_lms.planning.memory_model import variable_bytes
-from keras_lms.planning.plan import tensor_bytes
+from keras_lms.planning.plan import derived_from_calls, tensor_bytes
 
 # Window-sized buffers a slab's recompute and gradient hold at once besides the pieces (the windows in flight and
 # the slab's temporaries), in the compute dtype: BatchNorm under mixed precision works in float32 on float16
@@ -303,17 +303,11 @@ class TensorFlowFacts(BackendFacts):
     def slab_plans(self, calls, offloaded, batch_size: int, slab_bytes: int) -> dict:
         # The planner's searches ask for the same plan's slabs hundreds of times (5 ms each at the 3D U-Net's 67
         # calls, a fifth of wrap()'s planning): kept on the first traced call (``RawCall.derived``), as long as it.
-        cache = getattr(calls[0], "derived", None) if calls else None
-        if cache is None:
-            return slab_plans(calls, offloaded, batch_size, slab_bytes)
-        cache = cache.setdefault("slab_plans", {})
-        key = (tuple(map(id, calls)), tuple(map(tuple, offloaded)), batch_size, slab_bytes,
-               slab_plan.EXACT_ROWS)  # (the comparisons' control flag changes the plans)
-        if key not in cache:
-            if len(cache) >= SLAB_PLAN_CACHE:
-                cache.pop(next(iter(cache)))
-            cache[key] = slab_plans(calls, offloaded, batch_size, slab_bytes)
-        return dict(cache[key])
+        planned = derived_from_calls(calls, "slab_plans", lambda: slab_plans(calls, offloaded, batch_size, slab_bytes),
+                                     tuple(map(tuple, offloaded)), batch_size, slab_bytes,
+                                     slab_plan.EXACT_ROWS,  # (the comparisons' control flag changes the plans)
+                                     limit=SLAB_PLAN_CACHE)
+        return dict(planned)
 
     def elided_concatenations(self, calls, slabs: dict, batch_size: int) -> dict:
         return elided_concatenations(calls, slabs, batch_size)

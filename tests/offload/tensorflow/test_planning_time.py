@@ -43,7 +43,8 @@ def test_a_call_lists_concatenation_parts_are_derived_once_and_plan_the_same(mon
 
 def test_derived_facts_are_kept_per_list_and_key():
     """The same list and key: one computation; another key, or a list with another call: computed again; lists
-    whose calls keep nothing (no ``derived``) compute every time; at most ``DERIVED_LISTS`` lists are kept."""
+    whose calls keep nothing (no ``derived``) compute every time; at most ``DERIVED_LISTS`` lists are kept (or
+    ``limit``)."""
     calls = [plan_module.RawCall(object(), [], [], [], [], [], [], [], None) for _ in range(3)]
     computed = []
 
@@ -59,6 +60,9 @@ def test_derived_facts_are_kept_per_list_and_key():
     for key in range(plan_module.DERIVED_LISTS + 1):
         ask(calls, "k", key)
     assert len(calls[0].derived["fact"]) == plan_module.DERIVED_LISTS
+    for key in range(3):  # (a fact kept for more lists, as the slab plans: its own limit)
+        plan_module.derived_from_calls(calls, "limited", lambda: 0, key, limit=2)
+    assert list(calls[0].derived["limited"]) == [(tuple(map(id, calls)), 1), (tuple(map(id, calls)), 2)]
 
 
 def test_the_planning_time_benchmark_prints_its_table(tmp_path):
